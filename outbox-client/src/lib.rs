@@ -1,0 +1,211 @@
+//! Write outbox messages inside your own Postgres transaction.
+//!
+//! A service that commits a row and then publishes an event loses the event if it
+//! crashes in between, and sends it twice if it retries after a publish that had
+//! in fact succeeded. With an outbox the event is written as a row in the *same*
+//! transaction as the domain change; the `outbox-relay` process publishes committed
+//! rows at least once, each stamped with a stable [`MessageId`] that consumers
+//! use to drop duplicates.
+//!
+//! ```no_run
+//! # async fn example(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox_client::Message;
+//!
+//! outbox_client::migrate(client, "outbox").await?; // once, at start-up
+//!
+//! let tx = client.transaction().await?;
+//! tx.execute("UPDATE orders SET state = 'paid' WHERE id = $1", &[&42i64]).await?;
+//! let id = outbox_client::enqueue(
+//!     &tx,
+//!     &Message::builder("orders")          // AMQP exchange or Kafka topic
+//!         .key("order-42")                 // per-key order; Kafka record key
+//!         .routing_key("orders.paid")
+//!         .json(&serde_json::json!({"order": 42, "state": "paid"}))
+//!         .build()?,
+//! )
+//! .await?;
+//! tx.commit().await?; // the event exists if and only if the update does
+//! println!("enqueued {id}");
+//! # Ok(()) }
+//! ```
+//!
+//! # Ordering
+//!
+//! Messages that share a key are published in the order of their outbox `seq`,
+//! which is the order they were inserted. That equals commit order when the
+//! writers of one key serialize, for example by locking the aggregate's row
+//! (`SELECT ... FOR UPDATE`) *before* enqueueing. Two transactions that insert
+//! for the same key concurrently have no defined order between them.
+#![warn(missing_docs)]
+
+mod error;
+mod message;
+mod migrate;
+mod schema;
+
+use tokio_postgres::GenericClient;
+
+pub use error::{Error, MessageIdOrBatch};
+pub use message::{Message, MessageBuilder, MessageId, RESERVED_HEADERS};
+pub use migrate::{migrate, set_notify};
+pub use schema::SchemaName;
+
+/// Default payload limit: 1 MiB, the size most brokers accept without tuning
+/// (Kafka's `message.max.bytes` default is about 1 MB).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+/// Writes messages to one outbox schema. Cheap to clone; build one at start-up.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    schema: SchemaName,
+    max_payload_bytes: usize,
+    insert_sql: String,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox::with_schema(SchemaName::default())
+    }
+}
+
+impl Outbox {
+    /// An outbox in schema `schema`, validated as an identifier.
+    pub fn new(schema: &str) -> Result<Self, Error> {
+        Ok(Outbox::with_schema(SchemaName::new(schema)?))
+    }
+
+    /// An outbox in an already validated schema.
+    pub fn with_schema(schema: SchemaName) -> Self {
+        // One statement for one message or ten thousand: unnest keeps the array
+        // order, so seq follows the order of the slice.
+        let insert_sql = format!(
+            "INSERT INTO {}.messages \
+               (message_id, destination, ordering_key, routing_key, headers, payload, content_type) \
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], \
+                                  $6::bytea[], $7::text[])",
+            schema.quoted()
+        );
+        Outbox {
+            schema,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            insert_sql,
+        }
+    }
+
+    /// Rejects payloads larger than `bytes` before anything is written.
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
+    }
+
+    /// The schema this outbox writes to.
+    pub fn schema(&self) -> &SchemaName {
+        &self.schema
+    }
+
+    /// Writes one message as part of `client`'s transaction and returns its id.
+    ///
+    /// Pass a [`tokio_postgres::Transaction`] so the message commits or rolls back
+    /// with the caller's own rows. Validation errors are raised before any SQL is
+    /// sent; a database error aborts the transaction as any failed statement does.
+    pub async fn enqueue(
+        &self,
+        client: &impl GenericClient,
+        message: &Message,
+    ) -> Result<MessageId, Error> {
+        let id = message.message_id.unwrap_or_else(MessageId::new_v7);
+        self.write(client, std::slice::from_ref(message), &[id])
+            .await
+            .map_err(|e| match e {
+                Error::DuplicateMessageId { source, .. } => Error::DuplicateMessageId {
+                    message_id: MessageIdOrBatch::Message(id),
+                    source,
+                },
+                other => other,
+            })?;
+        Ok(id)
+    }
+
+    /// Writes all `messages` in one statement (one round trip) and returns their
+    /// ids in order. Every message is validated first; if one is invalid, none is
+    /// written.
+    pub async fn enqueue_batch(
+        &self,
+        client: &impl GenericClient,
+        messages: &[Message],
+    ) -> Result<Vec<MessageId>, Error> {
+        let ids: Vec<MessageId> = messages
+            .iter()
+            .map(|m| m.message_id.unwrap_or_else(MessageId::new_v7))
+            .collect();
+        self.write(client, messages, &ids).await?;
+        Ok(ids)
+    }
+
+    async fn write(
+        &self,
+        client: &impl GenericClient,
+        messages: &[Message],
+        ids: &[MessageId],
+    ) -> Result<(), Error> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        for m in messages {
+            if m.payload.len() > self.max_payload_bytes {
+                return Err(Error::PayloadTooLarge {
+                    size: m.payload.len(),
+                    limit: self.max_payload_bytes,
+                });
+            }
+        }
+        let uuids: Vec<uuid::Uuid> = ids.iter().map(|id| id.0).collect();
+        let destinations: Vec<&str> = messages.iter().map(|m| m.destination.as_str()).collect();
+        let keys: Vec<Option<&str>> = messages.iter().map(|m| m.key.as_deref()).collect();
+        let routing_keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
+        let headers: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| {
+                serde_json::Value::Object(
+                    m.headers
+                        .iter()
+                        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                        .collect(),
+                )
+            })
+            .collect();
+        let payloads: Vec<&[u8]> = messages.iter().map(|m| m.payload.as_slice()).collect();
+        let content_types: Vec<Option<&str>> =
+            messages.iter().map(|m| m.content_type.as_deref()).collect();
+
+        client
+            .execute(
+                self.insert_sql.as_str(),
+                &[
+                    &uuids,
+                    &destinations,
+                    &keys,
+                    &routing_keys,
+                    &headers,
+                    &payloads,
+                    &content_types,
+                ],
+            )
+            .await
+            .map_err(|e| Error::from_db(&self.schema, e))?;
+        Ok(())
+    }
+}
+
+/// [`Outbox::enqueue`] on the default schema (`outbox`) and payload limit.
+pub async fn enqueue(client: &impl GenericClient, message: &Message) -> Result<MessageId, Error> {
+    Outbox::default().enqueue(client, message).await
+}
+
+/// [`Outbox::enqueue_batch`] on the default schema (`outbox`) and payload limit.
+pub async fn enqueue_batch(
+    client: &impl GenericClient,
+    messages: &[Message],
+) -> Result<Vec<MessageId>, Error> {
+    Outbox::default().enqueue_batch(client, messages).await
+}

@@ -1,0 +1,77 @@
+use refinery::{Migration, Runner};
+use tokio_postgres::Client;
+
+use crate::{Error, SchemaName};
+
+/// The schema's migrations, in order. The files in `migrations/` are the one
+/// source of the schema; they are embedded here so an app can migrate at start-up.
+const MIGRATIONS: &[(&str, &str)] = &[(
+    "V1__create_outbox",
+    include_str!("../../migrations/V1__create_outbox.sql"),
+)];
+
+/// Creates `schema` if needed and applies every pending migration to it.
+///
+/// Safe to call from several processes at once: a session-level advisory lock
+/// keyed on the schema name serializes them, and the later callers find nothing
+/// left to apply. The session's `search_path` is set to the schema while the
+/// migrations run (they create unqualified objects) and reset afterwards.
+pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
+    let schema = SchemaName::new(schema)?;
+    let migrations = MIGRATIONS
+        .iter()
+        .map(|(name, sql)| Migration::unapplied(name, sql))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(Error::Migration)?;
+
+    let lock_key = format!("outbox-migrate:{schema}");
+    client
+        .execute(
+            "SELECT pg_advisory_lock(hashtextextended($1, 0))",
+            &[&lock_key],
+        )
+        .await?;
+    let result = async {
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}",
+                q = schema.quoted()
+            ))
+            .await?;
+        Runner::new(&migrations)
+            .run_async(client)
+            .await
+            .map_err(Error::Migration)?;
+        Ok::<(), Error>(())
+    }
+    .await;
+    // Undo the session state even when a migration failed; if the connection
+    // itself is gone, the server has already dropped both.
+    let reset = client.batch_execute("RESET search_path").await;
+    let unlock = client
+        .execute(
+            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+            &[&lock_key],
+        )
+        .await;
+    result?;
+    reset?;
+    unlock?;
+    Ok(())
+}
+
+/// Switches the statement-level NOTIFY trigger on or off.
+///
+/// With it off the relay still finds every row by polling, at most one poll
+/// interval later; inserting transactions then skip NOTIFY's commit-time lock.
+pub async fn set_notify(client: &Client, schema: &str, enabled: bool) -> Result<(), Error> {
+    let schema = SchemaName::new(schema)?;
+    let verb = if enabled { "ENABLE" } else { "DISABLE" };
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {}.messages {verb} TRIGGER messages_notify",
+            schema.quoted()
+        ))
+        .await
+        .map_err(|e| Error::from_db(&schema, e))
+}

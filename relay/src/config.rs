@@ -1,0 +1,370 @@
+//! Command line and environment, validated once into a [`Config`].
+//!
+//! Every flag has an `OUTBOX_...` environment variable. Secrets (the database and
+//! broker URLs) can also come from a file named by the `..._FILE` variant, and
+//! are never echoed: `--help` hides their values and logs redact them.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outbox_client::SchemaName;
+
+use crate::engine::Settings;
+use crate::redact::redact_url;
+
+/// Relays committed outbox rows to a broker, at least once, each stamped with a
+/// stable message id.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Relay committed outbox rows to the broker until SIGTERM or Ctrl-C.
+    Run(RunArgs),
+    /// Create the outbox schema or bring it up to date (safe to run concurrently).
+    Migrate(DbArgs),
+    /// Show the whole path working against the local Postgres and RabbitMQ.
+    Demo(DemoArgs),
+    /// Switch the insert trigger's NOTIFY on or off (polling still finds rows).
+    Notify {
+        /// Database to change.
+        #[command(flatten)]
+        db: DbArgs,
+        /// on or off.
+        #[arg(value_enum)]
+        state: Switch,
+    },
+}
+
+/// on/off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    /// Enabled.
+    On,
+    /// Disabled.
+    Off,
+}
+
+/// A secret URL: Debug and Display show it with the password masked.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    /// The URL with its password, for connecting.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", redact_url(&self.0))
+    }
+}
+
+impl fmt::Display for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&redact_url(&self.0))
+    }
+}
+
+fn parse_pg_url(s: &str) -> Result<SecretUrl, String> {
+    tokio_postgres::Config::from_str(s)
+        .map(|_| SecretUrl(s.to_owned()))
+        // tokio-postgres' messages name the offending part, never the password.
+        .map_err(|e| format!("not a postgres connection string: {e}"))
+}
+
+fn parse_amqp_url(s: &str) -> Result<SecretUrl, String> {
+    lapin::uri::AMQPUri::from_str(s)
+        .map(|_| SecretUrl(s.to_owned()))
+        .map_err(|e| format!("not an amqp:// or amqps:// URL: {e}"))
+}
+
+fn parse_schema(s: &str) -> Result<SchemaName, String> {
+    SchemaName::new(s).map_err(|e| e.to_string())
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (use a unit, e.g. 250ms, 5s, 1m)"))
+}
+
+/// Where the outbox lives.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// Postgres URL or key=value connection string.
+    #[arg(
+        long,
+        env = "OUTBOX_DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
+        value_parser = parse_pg_url
+    )]
+    pub database_url: SecretUrl,
+    /// Read the Postgres URL from this file instead (e.g. a mounted secret).
+    #[arg(long, env = "OUTBOX_DATABASE_URL_FILE")]
+    pub database_url_file: Option<PathBuf>,
+    /// Schema holding the outbox tables; lets several outboxes share a database.
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = SchemaName::DEFAULT, value_parser = parse_schema)]
+    pub schema: SchemaName,
+}
+
+impl DbArgs {
+    /// The connection settings, with the `_FILE` variant applied.
+    pub fn pg_config(&self) -> Result<tokio_postgres::Config, ConfigError> {
+        let url = match &self.database_url_file {
+            Some(path) => read_secret("--database-url-file", path, parse_pg_url)?,
+            None => self.database_url.clone(),
+        };
+        tokio_postgres::Config::from_str(url.expose()).map_err(|e| ConfigError {
+            flag: "--database-url",
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// A configuration problem found at start-up, naming the flag.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid value for {flag}: {reason}")]
+pub struct ConfigError {
+    /// The flag at fault.
+    pub flag: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+fn read_secret(
+    flag: &'static str,
+    path: &PathBuf,
+    parse: fn(&str) -> Result<SecretUrl, String>,
+) -> Result<SecretUrl, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        flag,
+        reason: format!("cannot read {}: {e}", path.display()),
+    })?;
+    parse(text.trim()).map_err(|reason| ConfigError { flag, reason })
+}
+
+/// The broker to publish to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BrokerKind {
+    /// RabbitMQ, or any AMQP 0-9-1 broker with publisher confirms.
+    Amqp,
+}
+
+/// Flags of `outbox-relay run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Where the outbox lives.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Broker to publish to.
+    #[arg(long, env = "OUTBOX_BROKER", value_enum, default_value_t = BrokerKind::Amqp)]
+    pub broker: BrokerKind,
+    /// AMQP URL [default: amqp://guest:***@127.0.0.1:5672/%2f, RabbitMQ's local guest account].
+    #[arg(
+        long,
+        env = "OUTBOX_AMQP_URL",
+        hide_env_values = true,
+        hide_default_value = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        value_parser = parse_amqp_url
+    )]
+    pub amqp_url: SecretUrl,
+    /// Read the AMQP URL from this file instead.
+    #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
+    pub amqp_url_file: Option<PathBuf>,
+    /// Rows per batch. 500 keeps a batch's confirms within tens of milliseconds
+    /// while amortizing the claim and delete round trips.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
+          value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub batch_size: i64,
+    /// Batches in flight at once, each on its own Postgres connection. 2 overlaps
+    /// one batch's claim and delete with another's wait for confirms.
+    #[arg(long, env = "OUTBOX_PIPELINE", default_value_t = 2,
+          value_parser = clap::value_parser!(u16).range(1..=32))]
+    pub pipeline: u16,
+    /// Longest wait between claims without a NOTIFY. A missed notification delays
+    /// delivery by at most this much.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+    /// First retry delay after the broker rejects a message; doubles per attempt.
+    #[arg(long, env = "OUTBOX_RETRY_BASE", default_value = "1s", value_parser = parse_duration)]
+    pub retry_base: Duration,
+    /// Cap on a rejected message's retry delay.
+    #[arg(long, env = "OUTBOX_RETRY_MAX", default_value = "60s", value_parser = parse_duration)]
+    pub retry_max: Duration,
+    /// Cap on the delay between reconnect attempts to Postgres or the broker.
+    #[arg(long, env = "OUTBOX_RECONNECT_MAX", default_value = "10s", value_parser = parse_duration)]
+    pub reconnect_max: Duration,
+    /// Longest wait for a batch's confirms; past it the broker connection is
+    /// presumed dead, reopened, and the batch retried.
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub confirm_timeout: Duration,
+    /// How long in-flight batches may finish after SIGTERM before they are
+    /// abandoned (and published again by the next run).
+    #[arg(long, env = "OUTBOX_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+    /// Longest time a stalled relay keeps claimed rows locked before Postgres ends
+    /// its session and frees them. Must exceed --confirm-timeout.
+    #[arg(long, env = "OUTBOX_HOLD_LIMIT", default_value = "60s", value_parser = parse_duration)]
+    pub hold_limit: Duration,
+}
+
+/// Flags of `outbox-relay demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Where the outbox lives (the demo uses its own schema by default).
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// AMQP URL [default: amqp://guest:***@127.0.0.1:5672/%2f].
+    #[arg(
+        long,
+        env = "OUTBOX_AMQP_URL",
+        hide_env_values = true,
+        hide_default_value = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        value_parser = parse_amqp_url
+    )]
+    pub amqp_url: SecretUrl,
+    /// Messages to commit.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u16).range(1..=10_000))]
+    pub count: u16,
+}
+
+/// Everything `run` needs, validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Postgres connection settings (its Debug output hides the password).
+    pub pg: tokio_postgres::Config,
+    /// The outbox schema.
+    pub schema: SchemaName,
+    /// The broker and how to reach it.
+    pub broker: Broker,
+    /// The relay loop's settings.
+    pub settings: Settings,
+}
+
+/// A broker with its connection settings.
+#[derive(Debug, Clone)]
+pub enum Broker {
+    /// RabbitMQ.
+    Amqp(crate::publish::amqp::AmqpSettings),
+}
+
+impl RunArgs {
+    /// Validates the flags into a [`Config`].
+    pub fn into_config(self) -> Result<Config, ConfigError> {
+        if self.hold_limit <= self.confirm_timeout {
+            return Err(ConfigError {
+                flag: "--hold-limit",
+                reason: format!(
+                    "{} must exceed --confirm-timeout ({}), or a slow broker would lose the rows' locks mid-batch",
+                    humantime::format_duration(self.hold_limit),
+                    humantime::format_duration(self.confirm_timeout)
+                ),
+            });
+        }
+        let amqp_url = match &self.amqp_url_file {
+            Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url)?,
+            None => self.amqp_url.clone(),
+        };
+        let broker = match self.broker {
+            BrokerKind::Amqp => Broker::Amqp(crate::publish::amqp::AmqpSettings {
+                url: amqp_url.expose().to_owned(),
+                confirm_timeout: self.confirm_timeout,
+                connect_timeout: Duration::from_secs(10),
+            }),
+        };
+        Ok(Config {
+            pg: self.db.pg_config()?,
+            schema: self.db.schema.clone(),
+            broker,
+            settings: Settings {
+                batch_size: self.batch_size,
+                pipeline: usize::from(self.pipeline),
+                poll_interval: self.poll_interval,
+                retry_base: self.retry_base,
+                retry_max: self.retry_max,
+                reconnect_max: self.reconnect_max,
+                shutdown_grace: self.shutdown_grace,
+                hold_limit: self.hold_limit,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn help_never_shows_the_default_password() {
+        let mut cmd = Cli::command();
+        let help = cmd
+            .find_subcommand_mut("run")
+            .map(|c| c.render_long_help().to_string())
+            .unwrap_or_default();
+        assert!(help.contains("--amqp-url"), "{help}");
+        assert!(!help.contains("guest:guest"), "{help}");
+    }
+
+    #[test]
+    fn bad_values_name_their_flag() {
+        let err = Cli::try_parse_from(["outbox-relay", "run", "--poll-interval", "5"])
+            .map(|_| ())
+            .expect_err("a bare number is rejected");
+        assert!(err.to_string().contains("--poll-interval"), "{err}");
+        let err = Cli::try_parse_from(["outbox-relay", "run", "--schema", "Bad-Name"])
+            .map(|_| ())
+            .expect_err("bad schema is rejected");
+        assert!(err.to_string().contains("--schema"), "{err}");
+    }
+
+    #[test]
+    fn hold_limit_must_exceed_confirm_timeout() {
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from([
+            "outbox-relay",
+            "run",
+            "--confirm-timeout",
+            "30s",
+            "--hold-limit",
+            "10s",
+        ])
+        else {
+            panic!("flags parse");
+        };
+        let err = args.into_config().map(|_| ()).expect_err("rejected");
+        assert_eq!(err.flag, "--hold-limit");
+    }
+}

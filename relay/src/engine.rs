@@ -1,0 +1,444 @@
+//! The relay loop: claim a batch, publish it, settle it, repeat.
+//!
+//! `pipeline` workers run the loop side by side, each on its own Postgres
+//! connection, so one batch is being claimed or settled while another waits for
+//! the broker's confirms. Row locks keep them apart; the claim's head-of-key rule
+//! keeps each key's rows in order across them (see [`crate::source::claim`]).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_client::SchemaName;
+use tokio::sync::watch;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::backoff::{delay_for, Backoff};
+use crate::publish::{Envelope, Outcome, Publisher};
+use crate::source::claim::Queries;
+use crate::source::{self, listener};
+use crate::Error;
+
+/// How the relay loop behaves; see the `run` flags for what each default means.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Rows claimed and published per batch.
+    pub batch_size: i64,
+    /// Batches in flight at once (one Postgres connection each).
+    pub pipeline: usize,
+    /// Longest wait between claims when no NOTIFY arrives.
+    pub poll_interval: Duration,
+    /// First retry delay of a message the broker rejected.
+    pub retry_base: Duration,
+    /// Longest retry delay of a rejected message.
+    pub retry_max: Duration,
+    /// Longest wait between reconnect attempts.
+    pub reconnect_max: Duration,
+    /// How long a batch may finish after shutdown is requested before it is
+    /// abandoned (its rows are then published again by the next run).
+    pub shutdown_grace: Duration,
+    /// Upper bound on how long a stalled relay keeps its claimed rows locked.
+    pub hold_limit: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            batch_size: 500,
+            pipeline: 2,
+            poll_interval: Duration::from_secs(1),
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            reconnect_max: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(5),
+            hold_limit: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Counters a caller can read while the relay runs.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Messages the broker confirmed and the relay deleted.
+    pub published: AtomicU64,
+    /// Messages the broker rejected (each attempt counts).
+    pub rejected: AtomicU64,
+    /// Confirmed messages kept because an older message of their key failed in
+    /// the same batch; they will be published again.
+    pub held_back: AtomicU64,
+    /// Batches that failed as a whole (broker unreachable).
+    pub batch_failures: AtomicU64,
+}
+
+/// A relay for one outbox schema and one broker.
+pub struct Relay<P: Publisher> {
+    pg: tokio_postgres::Config,
+    schema: SchemaName,
+    publisher: Arc<P>,
+    settings: Settings,
+    stats: Arc<Stats>,
+}
+
+struct Worker<P: Publisher> {
+    id: usize,
+    pg: tokio_postgres::Config,
+    queries: Queries,
+    publisher: Arc<P>,
+    settings: Settings,
+    stats: Arc<Stats>,
+}
+
+enum BatchEnd {
+    Empty,
+    Settled,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum BatchError {
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("broker: {0}")]
+    Publish(#[from] crate::publish::PublishError),
+}
+
+impl<P: Publisher> Relay<P> {
+    /// A relay reading `schema` through `pg` and publishing with `publisher`.
+    pub fn new(
+        pg: tokio_postgres::Config,
+        schema: SchemaName,
+        publisher: P,
+        settings: Settings,
+    ) -> Self {
+        Relay {
+            pg,
+            schema,
+            publisher: Arc::new(publisher),
+            settings,
+            stats: Arc::new(Stats::default()),
+        }
+    }
+
+    /// The relay's counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// The publisher, e.g. to inspect an in-memory one in tests.
+    pub fn publisher(&self) -> Arc<P> {
+        Arc::clone(&self.publisher)
+    }
+
+    /// Runs until `shutdown` is cancelled, then lets in-flight batches finish
+    /// (up to the shutdown grace), closes the broker connection and returns.
+    ///
+    /// Fails only when the outbox schema is missing; lost connections to Postgres
+    /// or the broker are retried with capped backoff for as long as it runs.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let queries = Queries::new(&self.schema);
+        self.wait_for_schema(&queries, &shutdown).await?;
+
+        let (wake, _) = watch::channel(0u64);
+        let wake = Arc::new(wake);
+        let tracker = TaskTracker::new();
+        tracker.spawn(listener::run(
+            self.pg.clone(),
+            self.schema.notify_channel(),
+            Arc::clone(&wake),
+            self.settings.reconnect_max,
+            shutdown.clone(),
+        ));
+        for id in 0..self.settings.pipeline.max(1) {
+            let worker = Worker {
+                id,
+                pg: self.pg.clone(),
+                queries: queries.clone(),
+                publisher: Arc::clone(&self.publisher),
+                settings: self.settings.clone(),
+                stats: Arc::clone(&self.stats),
+            };
+            tracker.spawn(worker.run(wake.subscribe(), shutdown.clone()));
+        }
+        tracing::info!(schema = %self.schema, pipeline = self.settings.pipeline, batch_size = self.settings.batch_size, "relay running");
+        tracker.close();
+        tracker.wait().await;
+        self.publisher.close().await;
+        tracing::info!(
+            published = self.stats.published.load(Ordering::Relaxed),
+            "relay stopped"
+        );
+        Ok(())
+    }
+
+    /// Waits for Postgres to answer, then fails fast if the outbox is missing.
+    async fn wait_for_schema(
+        &self,
+        queries: &Queries,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error> {
+        let mut backoff = Backoff::new(Duration::from_millis(200), self.settings.reconnect_max);
+        loop {
+            match source::connect(&self.pg, self.settings.hold_limit).await {
+                Ok(client) => {
+                    return queries
+                        .check_schema(&client)
+                        .await
+                        .map_err(|e| Error::SchemaMissing {
+                            schema: self.schema.to_string(),
+                            source: e,
+                        });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot reach postgres; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<P: Publisher> Worker<P> {
+    async fn run(self, mut wake: watch::Receiver<u64>, shutdown: CancellationToken) {
+        let mut reconnect = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
+        let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
+        'connect: while !shutdown.is_cancelled() {
+            let mut client = match source::connect(&self.pg, self.settings.hold_limit).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(worker = self.id, error = %e, "cannot connect to postgres");
+                    if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            reconnect.reset();
+            while !shutdown.is_cancelled() {
+                wake.borrow_and_update();
+                match self.batch_until_grace(&mut client, &shutdown).await {
+                    Some(Ok(BatchEnd::Settled)) => broker.reset(),
+                    Some(Ok(BatchEnd::Empty)) => {
+                        broker.reset();
+                        tokio::select! {
+                            _ = shutdown.cancelled() => {}
+                            _ = wake.changed() => {}
+                            _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                        }
+                    }
+                    Some(Err(BatchError::Publish(e))) => {
+                        tracing::warn!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
+                        if sleep_or_cancel(broker.next_delay(), &shutdown).await {
+                            break 'connect;
+                        }
+                    }
+                    Some(Err(BatchError::Postgres(e))) => {
+                        tracing::warn!(worker = self.id, error = %e, "postgres error; batch will be retried");
+                        if client.is_closed() {
+                            continue 'connect;
+                        }
+                        if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
+                            break 'connect;
+                        }
+                    }
+                    None => {
+                        tracing::warn!(
+                            worker = self.id,
+                            grace = ?self.settings.shutdown_grace,
+                            "batch still in flight after the shutdown grace; abandoned, its rows stay in the outbox"
+                        );
+                        break 'connect;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs one batch to completion; only if shutdown was requested *and* the
+    /// grace period ran out is it dropped (rolling back its transaction).
+    async fn batch_until_grace(
+        &self,
+        client: &mut Client,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<BatchEnd, BatchError>> {
+        let grace = self.settings.shutdown_grace;
+        tokio::select! {
+            biased;
+            r = self.batch(client) => Some(r),
+            _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => None,
+        }
+    }
+
+    async fn batch(&self, client: &mut Client) -> Result<BatchEnd, BatchError> {
+        let tx = client.transaction().await?;
+        let batch = self.queries.claim(&tx, self.settings.batch_size).await?;
+        if batch.is_empty() {
+            tx.commit().await?;
+            return Ok(BatchEnd::Empty);
+        }
+        let outcomes = match self.publisher.publish(&batch).await {
+            Ok(o) => o,
+            Err(e) => {
+                let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
+                self.stats.batch_failures.fetch_add(1, Ordering::Relaxed);
+                // Recording the reason is a courtesy to operators; if it fails the
+                // rows are released by the rollback all the same.
+                if self
+                    .queries
+                    .note_batch_error(&tx, &seqs, &e.to_string())
+                    .await
+                    .is_ok()
+                {
+                    tx.commit().await?;
+                }
+                return Err(e.into());
+            }
+        };
+        let plan = settle_plan(&batch, &outcomes, &self.settings);
+        self.queries.delete(&tx, &plan.delete).await?;
+        self.queries.fail(&tx, &plan.failed).await?;
+        tx.commit().await?;
+
+        self.stats
+            .published
+            .fetch_add(plan.delete.len() as u64, Ordering::Relaxed);
+        self.stats
+            .rejected
+            .fetch_add(plan.failed.len() as u64, Ordering::Relaxed);
+        self.stats
+            .held_back
+            .fetch_add(plan.held as u64, Ordering::Relaxed);
+        for (seq, reason, delay) in &plan.failed {
+            if let Some(env) = batch.iter().find(|e| e.seq == *seq) {
+                tracing::warn!(
+                    message_id = %env.message_id,
+                    destination = %env.destination,
+                    attempts = env.attempts + 1,
+                    retry_in = ?delay,
+                    reason = %reason,
+                    "broker rejected message"
+                );
+            }
+        }
+        tracing::debug!(
+            worker = self.id,
+            published = plan.delete.len(),
+            rejected = plan.failed.len(),
+            held = plan.held,
+            "batch settled"
+        );
+        Ok(BatchEnd::Settled)
+    }
+}
+
+/// What to do with each row of a published batch.
+#[derive(Debug, Default, PartialEq)]
+struct SettlePlan {
+    delete: Vec<i64>,
+    failed: Vec<(i64, String, Duration)>,
+    held: usize,
+}
+
+/// Confirmed rows are deleted, rejected ones get an attempt recorded and a
+/// backoff. Once a row of a key is rejected, the key's later rows in the batch are
+/// left as they are even if confirmed: deleting them would let them overtake the
+/// rejected row for good. They are published again after it (a bounded duplicate).
+fn settle_plan(batch: &[Envelope], outcomes: &[Outcome], settings: &Settings) -> SettlePlan {
+    let mut plan = SettlePlan::default();
+    let mut blocked: HashSet<&str> = HashSet::new();
+    for (env, outcome) in batch.iter().zip(outcomes) {
+        if let Some(key) = env.ordering_key.as_deref() {
+            if blocked.contains(key) {
+                plan.held += 1;
+                continue;
+            }
+        }
+        match outcome {
+            Ok(()) => plan.delete.push(env.seq),
+            Err(rejection) => {
+                let attempt = u32::try_from(env.attempts).unwrap_or(0);
+                let delay = if rejection.permanent {
+                    settings.retry_max
+                } else {
+                    delay_for(settings.retry_base, settings.retry_max, attempt)
+                };
+                plan.failed.push((env.seq, rejection.reason.clone(), delay));
+                if let Some(key) = env.ordering_key.as_deref() {
+                    blocked.insert(key);
+                }
+            }
+        }
+    }
+    plan
+}
+
+async fn sleep_or_cancel(d: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::publish::Rejection;
+    use std::time::SystemTime;
+
+    fn env(seq: i64, key: Option<&str>) -> Envelope {
+        Envelope {
+            seq,
+            message_id: uuid::Uuid::now_v7(),
+            destination: "d".into(),
+            ordering_key: key.map(str::to_owned),
+            routing_key: String::new(),
+            headers: vec![],
+            payload: vec![],
+            content_type: None,
+            created_at: SystemTime::now(),
+            attempts: 0,
+        }
+    }
+
+    #[test]
+    fn a_rejection_holds_back_the_rest_of_its_key_only() {
+        let batch = vec![
+            env(1, Some("a")),
+            env(2, Some("b")),
+            env(3, Some("a")),
+            env(4, None),
+            env(5, Some("a")),
+            env(6, Some("b")),
+        ];
+        let outcomes = vec![
+            Err(Rejection::retryable("no route")),
+            Ok(()),
+            Ok(()),
+            Err(Rejection::retryable("nack")),
+            Ok(()),
+            Ok(()),
+        ];
+        let plan = settle_plan(&batch, &outcomes, &Settings::default());
+        assert_eq!(plan.delete, vec![2, 6]);
+        assert_eq!(
+            plan.failed.iter().map(|f| f.0).collect::<Vec<_>>(),
+            vec![1, 4]
+        );
+        assert_eq!(plan.held, 2);
+    }
+
+    #[test]
+    fn permanent_rejections_wait_the_longest_delay() {
+        let settings = Settings::default();
+        let plan = settle_plan(
+            &[env(1, None)],
+            &[Err(Rejection::permanent("too large"))],
+            &settings,
+        );
+        assert_eq!(plan.failed[0].2, settings.retry_max);
+    }
+}

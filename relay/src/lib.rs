@@ -1,0 +1,76 @@
+//! The outbox relay: finds committed outbox rows and publishes them at least once.
+//!
+//! ```text
+//! app tx: domain rows + outbox row ──commit──▶ outbox table
+//!                                                │ NOTIFY (wake-up) + polling (guarantee)
+//!                                                ▼
+//!                     claim batch (FOR UPDATE SKIP LOCKED, head-of-key)
+//!                                                │
+//!                     publish batch, await the broker's confirms
+//!                                                │
+//!                     delete confirmed rows, record failures, commit
+//! ```
+//!
+//! `main` parses flags into a [`config::Config`] and calls [`run`]; tests and
+//! embedders build a [`Relay`] with any [`publish::Publisher`].
+
+pub mod backoff;
+pub mod config;
+pub mod demo;
+pub mod engine;
+pub mod publish;
+pub mod redact;
+pub mod source;
+
+use tokio_util::sync::CancellationToken;
+
+pub use engine::{Relay, Settings, Stats};
+
+/// Why the relay stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The outbox tables are not there.
+    #[error("outbox schema {schema:?} is not migrated; run `outbox-relay migrate` first")]
+    SchemaMissing {
+        /// The configured schema.
+        schema: String,
+        /// What Postgres said.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A configuration value is unusable.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// A client-library operation (migration, notify switch) failed.
+    #[error(transparent)]
+    Client(#[from] outbox_client::Error),
+    /// A database operation outside the relay loop failed.
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+}
+
+/// Runs the relay described by `config` until `shutdown` is cancelled.
+pub async fn run(config: config::Config, shutdown: CancellationToken) -> Result<(), Error> {
+    match config.broker {
+        config::Broker::Amqp(amqp) => {
+            let publisher = publish::amqp::AmqpPublisher::new(amqp);
+            Relay::new(config.pg, config.schema, publisher, config.settings)
+                .run(shutdown)
+                .await
+        }
+    }
+}
+
+/// Connects to Postgres with `config` and applies the migrations to `schema`.
+pub async fn migrate(
+    config: &tokio_postgres::Config,
+    schema: &outbox_client::SchemaName,
+) -> Result<(), Error> {
+    let (mut client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    let driver = tokio::spawn(connection);
+    outbox_client::migrate(&mut client, schema.as_str()).await?;
+    drop(client);
+    let _ = driver.await;
+    Ok(())
+}

@@ -1,0 +1,121 @@
+//! Brokers, behind one boundary.
+//!
+//! A [`Publisher`] takes a batch of claimed rows and resolves only when the broker
+//! has answered for every one of them. A message counts as published only on the
+//! broker's own "yes": an AMQP publisher-confirm Ack that was not preceded by a
+//! return, or a Kafka delivery report without error. Anything else is a
+//! [`Rejection`] for that message, or a [`PublishError`] for the whole batch.
+
+use std::future::Future;
+use std::time::SystemTime;
+
+use uuid::Uuid;
+
+pub mod amqp;
+pub mod memory;
+
+/// One claimed outbox row, as handed to a publisher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// The row's insertion order in the outbox.
+    pub seq: i64,
+    /// The stable message id stamped on every attempt.
+    pub message_id: Uuid,
+    /// AMQP exchange or Kafka topic; `""` is AMQP's default exchange.
+    pub destination: String,
+    /// Per-key ordering; the Kafka record key.
+    pub ordering_key: Option<String>,
+    /// AMQP routing key.
+    pub routing_key: String,
+    /// The row's own headers, in name order.
+    pub headers: Vec<(String, String)>,
+    /// The payload bytes, passed through untouched.
+    pub payload: Vec<u8>,
+    /// MIME content type, if the row has one.
+    pub content_type: Option<String>,
+    /// When the row was written.
+    pub created_at: SystemTime,
+    /// Failed attempts so far.
+    pub attempts: i32,
+}
+
+/// Why the broker did not accept one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// Human-readable reason, recorded in the row's `last_error`.
+    pub reason: String,
+    /// True when retrying the same message can never succeed (e.g. too large).
+    pub permanent: bool,
+}
+
+impl Rejection {
+    /// A rejection that may succeed later (unroutable until a binding exists, nack).
+    pub fn retryable(reason: impl Into<String>) -> Self {
+        Rejection {
+            reason: reason.into(),
+            permanent: false,
+        }
+    }
+
+    /// A rejection that can never succeed for this message.
+    pub fn permanent(reason: impl Into<String>) -> Self {
+        Rejection {
+            reason: reason.into(),
+            permanent: true,
+        }
+    }
+}
+
+/// The broker's answer for one message of a batch, in batch order.
+pub type Outcome = Result<(), Rejection>;
+
+/// The whole batch could not be published: the broker is unreachable, the
+/// connection dropped, or confirms did not arrive in time. Every message of the
+/// batch is to be retried; none counts toward poisoning.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}")]
+pub struct PublishError {
+    context: String,
+    #[source]
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl PublishError {
+    /// A batch failure with a reason and its cause.
+    pub fn new(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        PublishError {
+            context: context.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// A batch failure with only a reason.
+    pub fn msg(context: impl Into<String>) -> Self {
+        PublishError {
+            context: context.into(),
+            source: None,
+        }
+    }
+}
+
+/// A broker the relay can publish to.
+///
+/// Implementations must keep the order of the batch on the wire for messages that
+/// share an ordering key, and must pipeline: send the whole batch, then await the
+/// answers, never one message at a time.
+pub trait Publisher: Send + Sync + 'static {
+    /// Publishes `batch` and returns one outcome per envelope, in order.
+    fn publish<'a>(
+        &'a self,
+        batch: &'a [Envelope],
+    ) -> impl Future<Output = Result<Vec<Outcome>, PublishError>> + Send + 'a;
+
+    /// Checks that the broker can be reached, connecting if needed.
+    fn ready(&self) -> impl Future<Output = Result<(), PublishError>> + Send + '_;
+
+    /// Waits for everything handed to the broker to be answered, then disconnects.
+    fn close(&self) -> impl Future<Output = ()> + Send + '_;
+}

@@ -1,0 +1,159 @@
+//! Claiming and settling batches of outbox rows.
+//!
+//! A batch lives in one transaction: the claim locks rows with `FOR UPDATE SKIP
+//! LOCKED`, the relay publishes them, and the same transaction deletes the
+//! confirmed rows and records failures before committing. Consequences:
+//!
+//! - No watermark. Each claim starts from the oldest ready row, so a transaction
+//!   that commits late with a low `seq` is found by the next claim.
+//! - A relay that dies mid-batch releases its rows when its session ends; the
+//!   next claim (by it after a restart, or by another replica) takes them again.
+//!   Only that batch can be published twice.
+//! - Per-key order: a row is claimed only when every older row of its key is in
+//!   the same claim. An older row locked by another in-flight batch, or waiting
+//!   out a retry backoff, holds back the rest of its key.
+
+use std::time::{Duration, SystemTime};
+
+use outbox_client::SchemaName;
+use tokio_postgres::{Row, Transaction};
+use uuid::Uuid;
+
+use crate::publish::Envelope;
+
+/// The SQL text for one schema, built once.
+#[derive(Debug, Clone)]
+pub struct Queries {
+    claim: String,
+    delete: String,
+    fail: String,
+    note_batch_error: String,
+    exists: String,
+}
+
+impl Queries {
+    /// Statements for the outbox in `schema`.
+    pub fn new(schema: &SchemaName) -> Self {
+        let t = format!("{}.messages", schema.quoted());
+        Queries {
+            claim: format!(
+                "WITH cand AS ( \
+                    SELECT seq FROM {t} \
+                    WHERE next_attempt_at <= now() \
+                    ORDER BY seq \
+                    LIMIT $1 \
+                    FOR UPDATE SKIP LOCKED \
+                 ) \
+                 SELECT m.seq, m.message_id, m.destination, m.ordering_key, m.routing_key, \
+                        m.headers, m.payload, m.content_type, m.created_at, m.attempts \
+                 FROM {t} m JOIN cand USING (seq) \
+                 WHERE m.ordering_key IS NULL OR NOT EXISTS ( \
+                    SELECT 1 FROM {t} p \
+                    WHERE p.ordering_key = m.ordering_key AND p.seq < m.seq \
+                      AND p.seq NOT IN (SELECT seq FROM cand)) \
+                 ORDER BY m.seq"
+            ),
+            delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
+            fail: format!(
+                "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = u.err, \
+                    last_attempt_at = now(), \
+                    next_attempt_at = now() + make_interval(secs => u.delay) \
+                 FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS u(seq, err, delay) \
+                 WHERE m.seq = u.seq"
+            ),
+            note_batch_error: format!(
+                "UPDATE {t} SET last_error = $2, last_attempt_at = now() WHERE seq = ANY($1)"
+            ),
+            exists: format!("SELECT 1 FROM {t} LIMIT 0"),
+        }
+    }
+
+    /// Fails with the database's error when the outbox table is missing.
+    pub async fn check_schema(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<(), tokio_postgres::Error> {
+        client.execute(self.exists.as_str(), &[]).await.map(|_| ())
+    }
+
+    /// Locks and returns up to `limit` ready rows, oldest first.
+    pub async fn claim(
+        &self,
+        tx: &Transaction<'_>,
+        limit: i64,
+    ) -> Result<Vec<Envelope>, tokio_postgres::Error> {
+        let rows = tx.query(self.claim.as_str(), &[&limit]).await?;
+        rows.iter().map(envelope).collect()
+    }
+
+    /// Deletes rows the broker confirmed.
+    pub async fn delete(
+        &self,
+        tx: &Transaction<'_>,
+        seqs: &[i64],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if seqs.is_empty() {
+            return Ok(0);
+        }
+        tx.execute(self.delete.as_str(), &[&seqs]).await
+    }
+
+    /// Records one attempt's failure per row and schedules the next attempt.
+    pub async fn fail(
+        &self,
+        tx: &Transaction<'_>,
+        failures: &[(i64, String, Duration)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if failures.is_empty() {
+            return Ok(0);
+        }
+        let seqs: Vec<i64> = failures.iter().map(|f| f.0).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.1.as_str()).collect();
+        let delays: Vec<f64> = failures.iter().map(|f| f.2.as_secs_f64()).collect();
+        tx.execute(self.fail.as_str(), &[&seqs, &errors, &delays])
+            .await
+    }
+
+    /// Records a whole-batch failure (broker unreachable) without counting an
+    /// attempt: an outage is not the message's fault.
+    pub async fn note_batch_error(
+        &self,
+        tx: &Transaction<'_>,
+        seqs: &[i64],
+        error: &str,
+    ) -> Result<u64, tokio_postgres::Error> {
+        tx.execute(self.note_batch_error.as_str(), &[&seqs, &error])
+            .await
+    }
+}
+
+fn envelope(row: &Row) -> Result<Envelope, tokio_postgres::Error> {
+    let headers: serde_json::Value = row.try_get("headers")?;
+    let headers = match headers {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    serde_json::Value::String(s) => s,
+                    // Rows written by hand may hold non-string values; forward
+                    // their JSON text rather than dropping them.
+                    other => other.to_string(),
+                };
+                (k, v)
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    Ok(Envelope {
+        seq: row.try_get("seq")?,
+        message_id: row.try_get::<_, Uuid>("message_id")?,
+        destination: row.try_get("destination")?,
+        ordering_key: row.try_get("ordering_key")?,
+        routing_key: row.try_get("routing_key")?,
+        headers,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        created_at: row.try_get::<_, SystemTime>("created_at")?,
+        attempts: row.try_get("attempts")?,
+    })
+}

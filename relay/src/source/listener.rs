@@ -1,0 +1,110 @@
+//! LISTEN for the insert trigger's NOTIFY and turn it into wake-ups.
+//!
+//! Notifications only shorten the wait: polling still finds every row, so a
+//! notification lost while this connection was down costs at most one poll
+//! interval. After every (re)connect a wake-up is sent anyway, as a catch-up poll.
+
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_postgres::{AsyncMessage, Config, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+
+/// Keeps a LISTEN connection open until `shutdown`, reconnecting with capped
+/// backoff. Each notification bumps `wake`; waiters coalesce however many arrive.
+pub async fn run(
+    config: Config,
+    channel: String,
+    wake: Arc<watch::Sender<u64>>,
+    reconnect_max: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = Backoff::new(Duration::from_millis(100), reconnect_max);
+    while !shutdown.is_cancelled() {
+        match listen_once(&config, &channel, &wake, &shutdown).await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "listen connection lost; polling continues meanwhile");
+            }
+        }
+
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+async fn listen_once(
+    config: &Config,
+    channel: &str,
+    wake: &Arc<watch::Sender<u64>>,
+    shutdown: &CancellationToken,
+) -> Result<(), ListenError> {
+    let (client, mut connection) = config.connect(NoTls).await?;
+    // The Connection future must be polled through poll_message: awaiting it as a
+    // whole (the usual spawn) would drop every notification on the floor.
+    let notifier = Arc::clone(wake);
+    let mut driver = tokio::spawn(async move {
+        loop {
+            match poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(_))) => {
+                    notifier.send_modify(|n| *n = n.wrapping_add(1));
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e),
+                None => return Ok(()),
+            }
+        }
+    });
+    let setup = client
+        .batch_execute(&format!(
+            "SET application_name = 'outbox-relay-listen'; LISTEN \"{channel}\""
+        ))
+        .await;
+    if let Err(e) = setup {
+        driver.abort();
+        return Err(e.into());
+    }
+    tracing::debug!(channel, "listening");
+    // Catch up on whatever was committed while we were not listening.
+    wake.send_modify(|n| *n = n.wrapping_add(1));
+
+    // A quiet connection can die without an error (server restarted, NAT dropped
+    // it); a cheap query now and then surfaces that.
+    let mut probe = tokio::time::interval(Duration::from_secs(10));
+    probe.tick().await;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                driver.abort();
+                return Ok(());
+            }
+            ended = &mut driver => {
+                return Err(match ended {
+                    Ok(Err(e)) => ListenError::Postgres(e),
+                    Ok(Ok(())) => ListenError::Closed,
+                    Err(_) => ListenError::Closed,
+                });
+            }
+            _ = probe.tick() => {
+                if let Err(e) = client.simple_query("SELECT 1").await {
+                    driver.abort();
+                    return Err(ListenError::Postgres(e));
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ListenError {
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("connection closed by the server")]
+    Closed,
+}

@@ -1,0 +1,37 @@
+//! How committed outbox rows are found and claimed.
+//!
+//! - [`listener`] turns NOTIFYs into wake-ups; polling covers anything it misses.
+//! - [`claim`] holds the SQL that claims a batch and settles it afterwards.
+
+pub mod claim;
+pub mod listener;
+
+use std::time::Duration;
+
+use tokio_postgres::{Client, Config, NoTls};
+
+/// Opens a connection for the relay's own use and drives it in the background.
+///
+/// `idle_in_transaction_session_timeout` bounds how long a relay that stopped
+/// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
+/// server ends the session, releases the rows, and the relay's own late delete
+/// fails with it, so it can never settle rows someone else has since claimed.
+pub async fn connect(
+    config: &Config,
+    hold_limit: Duration,
+) -> Result<Client, tokio_postgres::Error> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "postgres connection ended");
+        }
+    });
+    client
+        .batch_execute(&format!(
+            "SET application_name = 'outbox-relay'; \
+             SET idle_in_transaction_session_timeout = {}",
+            hold_limit.as_millis().max(1)
+        ))
+        .await?;
+    Ok(client)
+}
