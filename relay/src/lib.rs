@@ -15,6 +15,7 @@
 //! embedders build a [`Relay`] with any [`publish::Publisher`].
 
 pub mod backoff;
+pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod engine;

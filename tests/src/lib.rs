@@ -1,1 +1,132 @@
+//! Harness for the end-to-end suites: fresh schemas, broker fixtures, a relay
+//! process that can be killed, a writer workload and a delivery checker.
+//!
+//! Connection strings come from `OUTBOX_TEST_DATABASE_URL` and
+//! `OUTBOX_TEST_AMQP_URL`, defaulting to this machine's local services.
 
+pub mod amqp;
+pub mod check;
+pub mod db;
+pub mod process;
+pub mod workload;
+
+/// Postgres URL for tests.
+pub fn pg_url() -> String {
+    std::env::var("OUTBOX_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// AMQP URL for tests.
+pub fn amqp_url() -> String {
+    std::env::var("OUTBOX_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// A short random lowercase suffix for schema, exchange and queue names.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Logs to the test's output when `OUTBOX_LOG` is set (e.g. `OUTBOX_LOG=debug`).
+pub fn init_logging() {
+    if let Ok(filter) = std::env::var("OUTBOX_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+/// Polls `probe` every 50 ms until it returns true or `limit` passes; returns
+/// the last answer. Limits here are generous ceilings on a wait, never the
+/// thing a test asserts about speed.
+pub async fn eventually<F, Fut>(limit: std::time::Duration, mut probe: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if probe().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// A relay running in this process (for tests that do not kill it).
+pub struct InProcessRelay {
+    shutdown: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), outbox_relay::Error>>,
+    /// Its counters.
+    pub stats: std::sync::Arc<outbox_relay::Stats>,
+}
+
+impl InProcessRelay {
+    /// Starts a RabbitMQ relay on `db`'s schema.
+    pub fn amqp(db: &db::TestDb, settings: outbox_relay::Settings) -> InProcessRelay {
+        let publisher = outbox_relay::publish::amqp::AmqpPublisher::new(
+            outbox_relay::publish::amqp::AmqpSettings {
+                url: amqp_url(),
+                confirm_timeout: std::time::Duration::from_secs(10),
+                connect_timeout: std::time::Duration::from_secs(5),
+            },
+        );
+        Self::with(db, publisher, settings)
+    }
+
+    /// Starts a relay with any publisher.
+    pub fn with<P: outbox_relay::publish::Publisher>(
+        db: &db::TestDb,
+        publisher: P,
+        settings: outbox_relay::Settings,
+    ) -> InProcessRelay {
+        let relay =
+            outbox_relay::Relay::new(db.config.clone(), db.schema.clone(), publisher, settings);
+        let stats = relay.stats();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(relay.run(shutdown.clone()));
+        InProcessRelay {
+            shutdown,
+            task,
+            stats,
+        }
+    }
+
+    /// Requests shutdown and waits for a clean stop.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .expect("relay task panicked")
+            .expect("relay returned an error");
+    }
+}
+
+/// Settings with a short poll interval and retry delays, for tests.
+pub fn fast_settings() -> outbox_relay::Settings {
+    outbox_relay::Settings {
+        poll_interval: std::time::Duration::from_millis(200),
+        retry_base: std::time::Duration::from_millis(100),
+        retry_max: std::time::Duration::from_secs(1),
+        reconnect_max: std::time::Duration::from_secs(1),
+        ..outbox_relay::Settings::default()
+    }
+}
+
+/// Converts AMQP deliveries for the checker.
+pub fn seen_amqp(deliveries: &[amqp::Delivery]) -> Vec<check::Seen> {
+    deliveries
+        .iter()
+        .map(|d| check::Seen {
+            message_id: d.message_id.clone(),
+            payload: d.payload.clone(),
+        })
+        .collect()
+}

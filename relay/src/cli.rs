@@ -1,0 +1,98 @@
+//! The `outbox-relay` binary's body, kept in the library so test harnesses can
+//! build the very same program.
+
+use std::process::ExitCode;
+
+use crate::config::{Cli, Command, LogFormat, Switch};
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+/// The `outbox-relay` command line: parse flags, run, map the outcome to an exit
+/// code (0 success, 1 failure, 2 bad usage).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the error and its causes.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Run(args) => {
+            let config = args.into_config()?;
+            let shutdown = CancellationToken::new();
+            tokio::spawn(on_signal(shutdown.clone()));
+            crate::run(config, shutdown).await?;
+        }
+        Command::Migrate(db) => {
+            crate::migrate(&db.pg_config()?, &db.schema).await?;
+            println!("schema {} is up to date", db.schema);
+        }
+        Command::Demo(args) => crate::demo::run(args).await?,
+        Command::Notify { db, state } => {
+            let (client, connection) = db.pg_config()?.connect(tokio_postgres::NoTls).await?;
+            tokio::spawn(connection);
+            outbox_client::set_notify(&client, db.schema.as_str(), state == Switch::On).await?;
+            println!(
+                "notify is {}",
+                if state == Switch::On { "on" } else { "off" }
+            );
+        }
+    }
+    Ok(())
+}
+
+/// SIGTERM and Ctrl-C both start a drain; a second signal is not needed.
+async fn on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the relay");
+                let _ = ctrl_c.await;
+                shutdown.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested; finishing in-flight batches");
+    shutdown.cancel();
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_env("OUTBOX_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

@@ -1,0 +1,257 @@
+//! An independent RabbitMQ consumer that records every delivery.
+//!
+//! The exchange and queue are durable so they survive a broker restart; the
+//! consumer reconnects on its own, like a real service would, and acks only
+//! after recording (so a redelivery shows up as a duplicate, never as a loss).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use tokio_util::sync::CancellationToken;
+
+/// One message as the consumer saw it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// AMQP `message_id` property ("" when absent).
+    pub message_id: String,
+    /// Routing key it was published with.
+    pub routing_key: String,
+    /// Headers table, values as text.
+    pub headers: BTreeMap<String, String>,
+    /// Content type property.
+    pub content_type: Option<String>,
+    /// Delivery mode property (2 = persistent).
+    pub delivery_mode: Option<u8>,
+    /// Timestamp property (seconds).
+    pub timestamp: Option<u64>,
+    /// Body.
+    pub payload: Vec<u8>,
+}
+
+/// A topic exchange, a queue bound to it with `#`, and a consumer on the queue.
+pub struct Fixture {
+    /// Exchange name (use it as the outbox destination).
+    pub exchange: String,
+    queue: String,
+    deliveries: Arc<Mutex<Vec<Delivery>>>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn connect() -> lapin::Result<Connection> {
+    Connection::connect(&crate::amqp_url(), ConnectionProperties::default()).await
+}
+
+/// Declares an exchange with no queue bound to it, so every publish is unroutable.
+pub async fn declare_unbound_exchange(name: &str) {
+    let conn = connect().await.expect("connect to rabbitmq");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_declare(
+        name.into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            auto_delete: false,
+            ..ExchangeDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare exchange");
+    let _ = conn.close(200, "ok".into()).await;
+}
+
+/// Deletes an exchange (best effort).
+pub async fn delete_exchange(name: &str) {
+    if let Ok(conn) = connect().await {
+        if let Ok(ch) = conn.create_channel().await {
+            let _ = ch
+                .exchange_delete(name.into(), ExchangeDeleteOptions::default())
+                .await;
+        }
+        let _ = conn.close(200, "ok".into()).await;
+    }
+}
+
+impl Fixture {
+    /// Declares fresh names and starts consuming.
+    pub async fn new() -> Fixture {
+        let exchange = crate::unique("x");
+        let queue = crate::unique("q");
+        // Declare once up front so the relay finds the exchange from the start.
+        declare(&exchange, &queue).await.expect("declare topology");
+        let deliveries = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(consume_forever(
+            exchange.clone(),
+            queue.clone(),
+            Arc::clone(&deliveries),
+            stop.clone(),
+        ));
+        Fixture {
+            exchange,
+            queue,
+            deliveries,
+            stop,
+            task,
+        }
+    }
+
+    /// Everything received so far, in arrival order.
+    pub fn deliveries(&self) -> Vec<Delivery> {
+        self.deliveries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// How many deliveries so far.
+    pub fn count(&self) -> usize {
+        self.deliveries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// Stops consuming and deletes the queue and exchange.
+    pub async fn cleanup(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+        if let Ok(conn) = connect().await {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch
+                    .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = ch
+                    .exchange_delete(
+                        self.exchange.as_str().into(),
+                        ExchangeDeleteOptions::default(),
+                    )
+                    .await;
+            }
+            let _ = conn.close(200, "ok".into()).await;
+        }
+    }
+}
+
+async fn declare(exchange: &str, queue: &str) -> lapin::Result<Connection> {
+    let conn = connect().await?;
+    let ch = conn.create_channel().await?;
+    ch.exchange_declare(
+        exchange.into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    Ok(conn)
+}
+
+async fn consume_forever(
+    exchange: String,
+    queue: String,
+    sink: Arc<Mutex<Vec<Delivery>>>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        if let Err(e) = consume_once(&exchange, &queue, &sink, &stop).await {
+            tracing::debug!(error = %e, "test consumer reconnecting");
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+        }
+    }
+}
+
+async fn consume_once(
+    exchange: &str,
+    queue: &str,
+    sink: &Arc<Mutex<Vec<Delivery>>>,
+    stop: &CancellationToken,
+) -> lapin::Result<()> {
+    let conn = declare(exchange, queue).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(500, BasicQosOptions::default()).await?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            crate::unique("c").as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    loop {
+        let next = tokio::select! {
+            _ = stop.cancelled() => {
+                let _ = conn.close(200, "done".into()).await;
+                return Ok(());
+            }
+            n = consumer.next() => n,
+        };
+        let Some(d) = next else { return Ok(()) };
+        let d = d?;
+        let p = &d.properties;
+        let headers = p
+            .headers()
+            .as_ref()
+            .map(|t| {
+                t.inner()
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), value_text(v)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        sink.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Delivery {
+                message_id: p
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.to_string())
+                    .unwrap_or_default(),
+                routing_key: d.routing_key.to_string(),
+                headers,
+                content_type: p.content_type().as_ref().map(|s| s.to_string()),
+                delivery_mode: *p.delivery_mode(),
+                timestamp: *p.timestamp(),
+                payload: d.data.clone(),
+            });
+        d.ack(BasicAckOptions::default()).await?;
+    }
+}
+
+fn value_text(v: &AMQPValue) -> String {
+    match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.to_string(),
+        other => format!("{other:?}"),
+    }
+}

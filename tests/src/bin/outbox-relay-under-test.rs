@@ -1,0 +1,3 @@
+fn main() -> std::process::ExitCode {
+    outbox_relay::cli::main()
+}

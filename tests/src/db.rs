@@ -1,0 +1,72 @@
+//! A fresh, migrated outbox schema per test.
+
+use std::str::FromStr;
+
+use outbox_client::{Outbox, SchemaName};
+use tokio_postgres::{Client, Config, NoTls};
+
+/// A migrated schema with a random name, dropped by [`TestDb::cleanup`].
+pub struct TestDb {
+    /// Connection settings.
+    pub config: Config,
+    /// The schema.
+    pub schema: SchemaName,
+    /// A connection for the test's own queries.
+    pub client: Client,
+}
+
+/// Connects and drives the connection in the background.
+pub async fn connect(config: &Config) -> Client {
+    let (client, connection) = config.connect(NoTls).await.expect("connect to postgres");
+    tokio::spawn(connection);
+    client
+}
+
+impl TestDb {
+    /// Creates and migrates a new schema.
+    pub async fn new() -> TestDb {
+        let config = Config::from_str(&crate::pg_url()).expect("valid OUTBOX_TEST_DATABASE_URL");
+        let schema = SchemaName::new(&crate::unique("t")).expect("valid schema name");
+        let mut client = connect(&config).await;
+        outbox_client::migrate(&mut client, schema.as_str())
+            .await
+            .expect("migrate");
+        TestDb {
+            config,
+            schema,
+            client,
+        }
+    }
+
+    /// A writer for this schema.
+    pub fn outbox(&self) -> Outbox {
+        Outbox::with_schema(self.schema.clone())
+    }
+
+    /// `schema.messages`, quoted.
+    pub fn table(&self) -> String {
+        format!("{}.messages", self.schema.quoted())
+    }
+
+    /// Rows still in the outbox.
+    pub async fn pending(&self) -> i64 {
+        self.client
+            .query_one(&format!("SELECT count(*) FROM {}", self.table()), &[])
+            .await
+            .expect("count")
+            .get(0)
+    }
+
+    /// The database URL for a relay process.
+    pub fn url(&self) -> String {
+        crate::pg_url()
+    }
+
+    /// Drops the schema.
+    pub async fn cleanup(self) {
+        let _ = self
+            .client
+            .batch_execute(&format!("DROP SCHEMA {} CASCADE", self.schema.quoted()))
+            .await;
+    }
+}

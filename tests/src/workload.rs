@@ -1,0 +1,158 @@
+//! Concurrent writers that enqueue through `outbox-client` and remember what
+//! they committed, what they rolled back and what is indeterminate.
+//!
+//! Each key belongs to one writer, so its commit order is defined; payloads
+//! carry `(key, seq)` so the checker needs nothing but the deliveries.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use outbox_client::{Message, Outbox};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use tokio_postgres::Config;
+use uuid::Uuid;
+
+/// What a writer puts in each payload.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Tag {
+    /// Ordering key.
+    pub key: String,
+    /// Position in the key's commit order (0-based).
+    pub seq: u64,
+}
+
+/// What the writers did.
+#[derive(Debug, Default, Clone)]
+pub struct Written {
+    /// Committed messages, with their tag.
+    pub committed: HashMap<Uuid, Tag>,
+    /// Ids enqueued in transactions that rolled back.
+    pub rolled_back: Vec<Uuid>,
+    /// Ids whose COMMIT failed with a lost connection: they may or may not exist.
+    pub indeterminate: HashMap<Uuid, Tag>,
+}
+
+/// Shape of a workload.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// Concurrent writers.
+    pub writers: usize,
+    /// Distinct keys (each owned by one writer).
+    pub keys: usize,
+    /// Committed messages in total (approximately, rounded per writer).
+    pub messages: usize,
+    /// Percent of transactions rolled back.
+    pub rollback_percent: u32,
+    /// Most messages per transaction.
+    pub max_per_tx: usize,
+    /// Longest random pause before COMMIT.
+    pub max_commit_delay: Duration,
+    /// Outbox destination.
+    pub destination: String,
+}
+
+impl Spec {
+    /// The workload of the RabbitMQ end-to-end test.
+    pub fn new(destination: &str, writers: usize, keys: usize, messages: usize) -> Spec {
+        Spec {
+            writers,
+            keys,
+            messages,
+            rollback_percent: 10,
+            max_per_tx: 5,
+            max_commit_delay: Duration::from_millis(3),
+            destination: destination.to_owned(),
+        }
+    }
+}
+
+/// Runs `spec` against `outbox` and returns what was written.
+pub async fn run(config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
+    let mut tasks = Vec::new();
+    for w in 0..spec.writers {
+        let config = config.clone();
+        let outbox = outbox.clone();
+        let spec = spec.clone();
+        tasks.push(tokio::spawn(async move {
+            writer(w, &config, &outbox, &spec).await
+        }));
+    }
+    let mut all = Written::default();
+    for t in tasks {
+        let w = t.await.expect("writer panicked");
+        all.committed.extend(w.committed);
+        all.rolled_back.extend(w.rolled_back);
+        all.indeterminate.extend(w.indeterminate);
+    }
+    all
+}
+
+async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
+    let mut client = crate::db::connect(config).await;
+    let keys: Vec<String> = (0..spec.keys)
+        .filter(|k| k % spec.writers == w)
+        .map(|k| format!("key-{k}"))
+        .collect();
+    let quota = spec.messages / spec.writers;
+    let mut next_seq: HashMap<String, u64> = keys.iter().map(|k| (k.clone(), 0)).collect();
+    let mut out = Written::default();
+    let mut done = 0usize;
+    while done < quota && !keys.is_empty() {
+        let (key, n, rollback, delay) = {
+            let mut rng = rand::rng();
+            let key = keys[rng.random_range(0..keys.len())].clone();
+            let n = rng.random_range(1..=spec.max_per_tx).min(quota - done);
+            let rollback = rng.random_range(0..100) < spec.rollback_percent;
+            let delay = rng.random_range(Duration::ZERO..=spec.max_commit_delay);
+            (key, n, rollback, delay)
+        };
+        let first = next_seq[&key];
+        let tags: Vec<Tag> = (0..n as u64)
+            .map(|i| Tag {
+                key: key.clone(),
+                seq: first + i,
+            })
+            .collect();
+        let messages: Vec<Message> = tags
+            .iter()
+            .map(|t| {
+                Message::builder(spec.destination.as_str())
+                    .key(t.key.as_str())
+                    .routing_key(format!("wl.{}", t.key))
+                    .json(t)
+                    .build()
+                    .expect("valid message")
+            })
+            .collect();
+        let tx = client.transaction().await.expect("begin");
+        let ids = outbox.enqueue_batch(&tx, &messages).await.expect("enqueue");
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if rollback {
+            tx.rollback().await.expect("rollback");
+            out.rolled_back.extend(ids.iter().map(|id| id.0));
+            continue;
+        }
+        match tx.commit().await {
+            Ok(()) => {
+                for (id, tag) in ids.iter().zip(tags) {
+                    out.committed.insert(id.0, tag);
+                }
+                next_seq.insert(key, first + n as u64);
+                done += n;
+            }
+            Err(_) => {
+                // The connection died during COMMIT: the rows may exist. Later
+                // messages of this key must not reuse these seqs.
+                for (id, tag) in ids.iter().zip(tags) {
+                    out.indeterminate.insert(id.0, tag);
+                }
+                next_seq.insert(key, first + n as u64);
+                client = crate::db::connect(config).await;
+            }
+        }
+    }
+    out
+}

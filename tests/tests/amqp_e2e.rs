@@ -1,0 +1,454 @@
+//! The whole path to a real RabbitMQ: write in a transaction, relay, consume.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use outbox_client::Message;
+use outbox_tests::amqp::{self, Fixture};
+use outbox_tests::check::check;
+use outbox_tests::db::TestDb;
+use outbox_tests::process::RelayProcess;
+use outbox_tests::workload::{self, Spec};
+use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
+
+const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+/// Ceiling on waits for delivery; a healthy run needs a small fraction of it.
+const PATIENCE: Duration = Duration::from_secs(120);
+
+#[tokio::test]
+async fn wire_contract_message_id_headers_and_properties() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+
+    let before = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let m = Message::builder(rabbit.exchange.as_str())
+        .key("order-1")
+        .routing_key("orders.paid")
+        .header("tenant", "acme")
+        .header(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        .content_type("application/vnd.test+json")
+        .payload(br#"{"x":1}"#.to_vec())
+        .build()
+        .expect("valid");
+    let id = db.outbox().enqueue(&db.client, &m).await.expect("enqueue");
+
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 1 }).await,
+        "not delivered"
+    );
+    let d = &rabbit.deliveries()[0];
+    assert_eq!(d.message_id, id.to_string());
+    assert_eq!(d.routing_key, "orders.paid");
+    assert_eq!(d.content_type.as_deref(), Some("application/vnd.test+json"));
+    assert_eq!(d.delivery_mode, Some(2), "persistent");
+    let ts = d.timestamp.expect("timestamp set");
+    assert!(
+        ts + 5 >= before,
+        "timestamp {ts} is the row's creation time"
+    );
+    assert_eq!(d.headers.get("tenant").map(String::as_str), Some("acme"));
+    assert!(d.headers.contains_key("traceparent"));
+    assert_eq!(d.payload, br#"{"x":1}"#);
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "row not deleted"
+    );
+
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// 8 writers, 10,000 committed messages over 50 keys (each key owned by one
+/// writer), about 10% of transactions rolled back, relay running throughout.
+#[tokio::test]
+async fn concurrent_writers_every_commit_delivered_in_key_order() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+
+    let spec = Spec::new(&rabbit.exchange, 8, 50, 10_000);
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+    assert_eq!(written.committed.len(), 10_000);
+    assert!(
+        !written.rolled_back.is_empty(),
+        "the workload rolls some back"
+    );
+
+    assert!(
+        eventually(PATIENCE, || async {
+            rabbit.count() >= written.committed.len()
+        })
+        .await,
+        "only {} of {} delivered",
+        rabbit.count(),
+        written.committed.len()
+    );
+    // Give strays (rolled-back rows, duplicates) a moment to show up.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    println!("concurrent writers: {report}");
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(
+        report.duplicates, 0,
+        "no faults, so no duplicates: {report}"
+    );
+    assert_eq!(db.pending().await, 0);
+
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// A transaction holds its outbox row uncommitted while later rows commit and
+/// are published; once it commits, its row is delivered too (no watermark).
+#[tokio::test]
+async fn late_commit_with_lower_seq_is_still_delivered() {
+    outbox_tests::init_logging();
+    let mut db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+    let outbox = db.outbox();
+
+    let mut slow_client = outbox_tests::db::connect(&db.config).await;
+    let slow_tx = slow_client.transaction().await.expect("begin");
+    let slow_msg = Message::builder(rabbit.exchange.as_str())
+        .key("slow")
+        .payload("slow")
+        .build()
+        .expect("valid");
+    let slow_id = outbox
+        .enqueue(&slow_tx, &slow_msg)
+        .await
+        .expect("enqueue slow");
+
+    let mut later = Vec::new();
+    for i in 0..20 {
+        let tx = db.client.transaction().await.expect("begin");
+        let m = Message::builder(rabbit.exchange.as_str())
+            .key(format!("fast-{i}"))
+            .payload("fast")
+            .build()
+            .expect("valid");
+        later.push(outbox.enqueue(&tx, &m).await.expect("enqueue"));
+        tx.commit().await.expect("commit");
+    }
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 20 }).await,
+        "later rows published first"
+    );
+    // Hold the early transaction open a few seconds longer while the relay keeps polling.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!rabbit
+        .deliveries()
+        .iter()
+        .any(|d| d.message_id == slow_id.to_string()));
+
+    // Its seq is lower than those of the 20 rows already published.
+    let slow_seq: i64 = slow_tx
+        .query_one(
+            &format!("SELECT seq FROM {} WHERE message_id = $1", db.table()),
+            &[&slow_id.0],
+        )
+        .await
+        .expect("own row")
+        .get(0);
+    let highest: i64 = db
+        .client
+        .query_one(
+            &format!("SELECT last_value FROM pg_sequences WHERE schemaname = '{}' AND sequencename = 'messages_seq_seq'", db.schema),
+            &[],
+        )
+        .await
+        .expect("sequence")
+        .get(0);
+    assert!(
+        slow_seq < highest,
+        "slow row seq {slow_seq} should precede later rows (up to {highest})"
+    );
+    slow_tx.commit().await.expect("commit slow");
+    assert!(
+        eventually(PATIENCE, || async {
+            rabbit
+                .deliveries()
+                .iter()
+                .any(|d| d.message_id == slow_id.to_string())
+        })
+        .await,
+        "the late-committing row was skipped"
+    );
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// A destination that routes nowhere: the row is kept with its error, and every
+/// other row keeps flowing. Same for an exchange that does not exist.
+#[tokio::test]
+async fn unroutable_and_missing_exchanges_keep_the_row_and_do_not_block_others() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let unbound = outbox_tests::unique("unbound");
+    amqp::declare_unbound_exchange(&unbound).await;
+    let missing = outbox_tests::unique("missing");
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+
+    let outbox = db.outbox();
+    let bad1 = outbox
+        .enqueue(
+            &db.client,
+            &Message::builder(unbound.as_str())
+                .key("bad")
+                .payload("x")
+                .build()
+                .expect("valid"),
+        )
+        .await
+        .expect("enqueue");
+    let bad2 = outbox
+        .enqueue(
+            &db.client,
+            &Message::builder(missing.as_str())
+                .payload("x")
+                .build()
+                .expect("valid"),
+        )
+        .await
+        .expect("enqueue");
+    let good: Vec<Message> = (0..200)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key(format!("k{}", i % 10))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &good)
+        .await
+        .expect("enqueue good");
+
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 200 }).await,
+        "good rows blocked"
+    );
+    let q = format!(
+        "SELECT attempts, last_error FROM {} WHERE message_id = $1",
+        db.table()
+    );
+    let check_row = |id: outbox_client::MessageId, expect: &'static str| {
+        let q = q.clone();
+        let client = &db.client;
+        async move {
+            eventually(PATIENCE, || {
+                let q = q.clone();
+                async move {
+                    match client.query_opt(&q, &[&id.0]).await.expect("select") {
+                        Some(r) => {
+                            r.get::<_, i32>(0) >= 1
+                                && r.get::<_, Option<String>>(1)
+                                    .is_some_and(|e| e.contains(expect))
+                        }
+                        None => false,
+                    }
+                }
+            })
+            .await
+        }
+    };
+    assert!(
+        check_row(bad1, "unroutable").await,
+        "unroutable row kept with its error"
+    );
+    assert!(
+        check_row(bad2, "does not exist").await,
+        "missing-exchange row kept with its error"
+    );
+    assert_eq!(db.pending().await, 2);
+
+    relay.stop().await;
+    amqp::delete_exchange(&unbound).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// With the trigger off, polling alone delivers; with it on, NOTIFY alone does.
+#[tokio::test]
+async fn notify_switch_and_polling_fallback() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let outbox = db.outbox();
+    let m = |i: i32| {
+        Message::builder(rabbit.exchange.as_str())
+            .json(&i)
+            .build()
+            .expect("valid")
+    };
+
+    // 1. NOTIFY off, short polling: delivered by the poll.
+    outbox_client::set_notify(&db.client, db.schema.as_str(), false)
+        .await
+        .expect("off");
+    let polling = InProcessRelay::amqp(&db, fast_settings());
+    outbox.enqueue(&db.client, &m(1)).await.expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 1 }).await,
+        "poll did not deliver"
+    );
+    polling.stop().await;
+
+    // 2. Polling effectively disabled: with NOTIFY off nothing moves...
+    let hour = outbox_relay::Settings {
+        poll_interval: Duration::from_secs(3600),
+        ..fast_settings()
+    };
+    let notified = InProcessRelay::amqp(&db, hour);
+    // The relay's start-up catch-up claim runs first; wait until it has idled.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    outbox.enqueue(&db.client, &m(2)).await.expect("enqueue");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        rabbit.count(),
+        1,
+        "with NOTIFY off and no polling, nothing should wake the relay"
+    );
+
+    // 3. ...and switching NOTIFY on wakes it with the next insert (both rows go).
+    outbox_client::set_notify(&db.client, db.schema.as_str(), true)
+        .await
+        .expect("on");
+    outbox.enqueue(&db.client, &m(3)).await.expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 3 }).await,
+        "NOTIFY did not wake the relay"
+    );
+
+    notified.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// kill -9 mid-run, restart: nothing lost, duplicates only from in-flight batches.
+#[tokio::test]
+async fn kill_9_mid_run_loses_nothing() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let batch = 100usize;
+    let pipeline = 2usize;
+    let env = vec![
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BATCH_SIZE", batch.to_string()),
+        ("OUTBOX_PIPELINE", pipeline.to_string()),
+        ("OUTBOX_POLL_INTERVAL", "200ms".to_string()),
+    ];
+
+    // A backlog first, so the kill lands while batches are in flight.
+    let spec = Spec::new(&rabbit.exchange, 4, 40, 6_000);
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+
+    let mut kills = 0usize;
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    for _ in 0..3 {
+        let before = rabbit.count();
+        // Kill after the relay has made some progress, not before it connected.
+        assert!(
+            eventually(PATIENCE, || async {
+                rabbit.count() > before + 300 || db.pending().await == 0
+            })
+            .await
+        );
+        if db.pending().await == 0 {
+            break;
+        }
+        relay.kill9().await;
+        kills += 1;
+        relay = RelayProcess::start(RELAY_BIN, &env);
+    }
+    assert!(
+        kills >= 1,
+        "the relay finished before it could be killed; grow the backlog"
+    );
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "outbox not drained"
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            rabbit.count() >= written.committed.len()
+        })
+        .await,
+        "deliveries missing"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "SIGTERM exits 0");
+
+    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    println!("kill -9 x{kills}: {report}");
+    assert!(report.is_clean(), "{report}");
+    let bound = kills * batch * pipeline;
+    assert!(
+        report.duplicates <= bound,
+        "duplicates {} exceed kills x batch x pipeline = {bound}",
+        report.duplicates
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// SIGTERM mid-run: the in-flight batch completes, the process exits 0, and the
+/// next relay publishes nothing twice.
+#[tokio::test]
+async fn sigterm_drains_without_duplicates() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let env = vec![
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BATCH_SIZE", "200".to_string()),
+    ];
+    let spec = Spec::new(&rabbit.exchange, 4, 40, 5_000);
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    assert!(eventually(PATIENCE, || async { rabbit.count() > 500 }).await);
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "SIGTERM exits 0");
+
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "outbox not drained"
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            rabbit.count() >= written.committed.len()
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0));
+
+    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    println!("sigterm: {report}");
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(
+        report.duplicates, 0,
+        "a drained batch is never published twice"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

@@ -1,0 +1,226 @@
+//! outbox-client against a real Postgres: transactions, batching, bad input.
+
+use outbox_client::{Error, Message, MessageId, Outbox};
+use outbox_tests::db::TestDb;
+
+fn msg(dest: &str) -> Message {
+    Message::builder(dest)
+        .key("k")
+        .payload("p")
+        .build()
+        .expect("valid")
+}
+
+#[tokio::test]
+async fn rollback_writes_nothing_and_commit_writes_one_row() {
+    let mut db = TestDb::new().await;
+    let outbox = db.outbox();
+
+    let tx = db.client.transaction().await.expect("begin");
+    outbox.enqueue(&tx, &msg("d")).await.expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(db.pending().await, 0);
+
+    let tx = db.client.transaction().await.expect("begin");
+    let id = outbox.enqueue(&tx, &msg("d")).await.expect("enqueue");
+    tx.commit().await.expect("commit");
+    let rows = db
+        .client
+        .query(
+            &format!(
+                "SELECT message_id, destination, ordering_key, payload, content_type FROM {}",
+                db.table()
+            ),
+            &[],
+        )
+        .await
+        .expect("select");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].get::<_, uuid::Uuid>(0), id.0);
+    assert_eq!(rows[0].get::<_, &str>(1), "d");
+    assert_eq!(rows[0].get::<_, Option<&str>>(2), Some("k"));
+    assert_eq!(rows[0].get::<_, &[u8]>(3), b"p");
+    assert_eq!(
+        rows[0].get::<_, Option<&str>>(4),
+        Some("application/octet-stream")
+    );
+    assert_eq!(id.0.get_version_num(), 7, "default ids are UUIDv7");
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn enqueue_batch_of_1000_is_one_statement_in_order() {
+    let db = TestDb::new().await;
+    // Count INSERT statements on the outbox with a statement-level trigger of the
+    // test's own: one firing per statement, however many rows it inserts.
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {s}.stmt_count (n int NOT NULL); INSERT INTO {s}.stmt_count VALUES (0);
+             CREATE FUNCTION {s}.bump() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN UPDATE {s}.stmt_count SET n = n + 1; RETURN NULL; END $$;
+             CREATE TRIGGER count_statements AFTER INSERT ON {t}
+               FOR EACH STATEMENT EXECUTE FUNCTION {s}.bump();",
+            s = db.schema.quoted(),
+            t = db.table()
+        ))
+        .await
+        .expect("install counter");
+    let messages: Vec<Message> = (0..1000)
+        .map(|i| {
+            Message::builder("d")
+                .key(format!("k{}", i % 7))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    let ids = db
+        .outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("batch");
+    assert_eq!(ids.len(), 1000);
+    let n: i32 = db
+        .client
+        .query_one(
+            &format!("SELECT n FROM {}.stmt_count", db.schema.quoted()),
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(n, 1, "enqueue_batch must be a single INSERT statement");
+    // seq follows slice order.
+    let stored: Vec<uuid::Uuid> = db
+        .client
+        .query(
+            &format!("SELECT message_id FROM {} ORDER BY seq", db.table()),
+            &[],
+        )
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(stored, ids.iter().map(|i| i.0).collect::<Vec<_>>());
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn bad_input_is_a_typed_error_and_the_transaction_survives() {
+    let mut db = TestDb::new().await;
+    let outbox = db.outbox().max_payload_bytes(16);
+    let tx = db.client.transaction().await.expect("begin");
+
+    let big = Message::builder("d")
+        .payload(vec![0u8; 17])
+        .build()
+        .expect("valid shape");
+    match outbox.enqueue(&tx, &big).await {
+        Err(Error::PayloadTooLarge {
+            size: 17,
+            limit: 16,
+        }) => {}
+        other => panic!("expected PayloadTooLarge, got {other:?}"),
+    }
+    // One bad message in a batch: nothing of the batch is written.
+    let batch = vec![msg("d"), big.clone()];
+    assert!(matches!(
+        outbox.enqueue_batch(&tx, &batch).await,
+        Err(Error::PayloadTooLarge { .. })
+    ));
+    assert!(matches!(
+        Message::builder("").build(),
+        Err(Error::EmptyDestination)
+    ));
+    match Message::builder("d").header("bad name", "v").build() {
+        Err(e @ Error::InvalidHeaderName { .. }) => {
+            assert!(e.to_string().contains("\"bad name\""), "{e}");
+            assert!(e.is_invalid_input());
+        }
+        other => panic!("expected InvalidHeaderName, got {other:?}"),
+    }
+    assert!(matches!(
+        Outbox::new("no-dashes"),
+        Err(Error::InvalidSchemaName { .. })
+    ));
+
+    // Validation sent no SQL, so the transaction is still usable.
+    outbox
+        .enqueue(&tx, &msg("d"))
+        .await
+        .expect("valid enqueue after errors");
+    tx.commit().await.expect("commit");
+    assert_eq!(db.pending().await, 1);
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn missing_schema_is_named() {
+    let db = TestDb::new().await;
+    let outbox = Outbox::new("never_migrated_schema").expect("valid name");
+    match outbox.enqueue(&db.client, &msg("d")).await {
+        Err(e @ Error::SchemaMissing { .. }) => {
+            assert!(e.to_string().contains("never_migrated_schema"), "{e}")
+        }
+        other => panic!("expected SchemaMissing, got {other:?}"),
+    }
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn caller_chosen_ids_are_kept_and_duplicates_rejected() {
+    let db = TestDb::new().await;
+    let id = MessageId::from(uuid::Uuid::new_v4());
+    let m = Message::builder("d")
+        .message_id(id)
+        .payload("x")
+        .build()
+        .expect("valid");
+    assert_eq!(
+        db.outbox().enqueue(&db.client, &m).await.expect("first"),
+        id
+    );
+    match db.outbox().enqueue(&db.client, &m).await {
+        Err(Error::DuplicateMessageId { message_id, .. }) => {
+            assert_eq!(message_id.to_string(), id.to_string())
+        }
+        other => panic!("expected DuplicateMessageId, got {other:?}"),
+    }
+    assert_eq!(db.pending().await, 1);
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn concurrent_migrations_are_safe() {
+    let schema = outbox_tests::unique("mig");
+    let config: tokio_postgres::Config = outbox_tests::pg_url().parse().expect("url");
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let config = config.clone();
+        let schema = schema.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut client = outbox_tests::db::connect(&config).await;
+            outbox_client::migrate(&mut client, &schema).await
+        }));
+    }
+    for t in tasks {
+        t.await
+            .expect("task")
+            .expect("every concurrent migrate succeeds");
+    }
+    let client = outbox_tests::db::connect(&config).await;
+    let applied: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM \"{schema}\".refinery_schema_history"),
+            &[],
+        )
+        .await
+        .expect("history")
+        .get(0);
+    assert_eq!(applied, 1, "each migration applied exactly once");
+    client
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .expect("drop");
+}
