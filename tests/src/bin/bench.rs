@@ -1,0 +1,174 @@
+//! `cargo run --release -p outbox-tests --bin bench -- [--messages N] [--keys K]`
+//!
+//! Measures, in one run on this machine:
+//! 1. `enqueue_batch` into the outbox (1 KiB payloads, 1,000 per statement);
+//! 2. a raw lapin publisher (persistent, mandatory, confirms) with the relay's
+//!    confirm window: `pipeline` tasks each sending `batch` messages then
+//!    awaiting their confirms — the ceiling for any relay on this broker;
+//! 3. the relay draining the same number of messages from a backlog.
+//!
+//! Figures are reported as msgs/s and as a ratio to the raw publisher, since
+//! absolute numbers move with whatever else the machine is doing.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use outbox_client::Message;
+use outbox_tests::db::TestDb;
+
+struct Args {
+    messages: usize,
+    keys: usize,
+    batch: usize,
+    pipeline: usize,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        messages: 100_000,
+        keys: 10_000,
+        batch: 500,
+        pipeline: 2,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let v = argv.get(i + 1).and_then(|s| s.parse::<usize>().ok());
+        match (argv[i].as_str(), v) {
+            ("--messages", Some(v)) => a.messages = v,
+            ("--keys", Some(v)) => a.keys = v,
+            ("--batch", Some(v)) => a.batch = v,
+            ("--pipeline", Some(v)) => a.pipeline = v,
+            (other, _) => {
+                eprintln!("usage: bench [--messages N] [--keys K] [--batch B] [--pipeline P] (bad: {other})");
+                std::process::exit(2);
+            }
+        }
+        i += 2;
+    }
+    a
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = parse_args();
+    let payload = vec![b'x'; 1024];
+    let exchange = outbox_tests::unique("bench");
+    let queue = outbox_tests::unique("benchq");
+
+    let conn = Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.exchange_declare(exchange.as_str().into(), ExchangeKind::Topic,
+        ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await?;
+    ch.queue_declare(queue.as_str().into(),
+        QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await?;
+    ch.queue_bind(queue.as_str().into(), exchange.as_str().into(), "#".into(),
+        QueueBindOptions::default(), FieldTable::default()).await?;
+
+    println!(
+        "messages={} payload=1KiB keys={} batch={} pipeline={}",
+        args.messages, args.keys, args.batch, args.pipeline
+    );
+
+    // 1. Raw lapin baseline with the relay's confirm window.
+    let pub_ch = Arc::new(conn.create_channel().await?);
+    pub_ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let started = Instant::now();
+    let per_task = args.messages / args.pipeline;
+    let mut tasks = Vec::new();
+    for _ in 0..args.pipeline {
+        let ch = Arc::clone(&pub_ch);
+        let exchange = exchange.clone();
+        let payload = payload.clone();
+        let batch = args.batch;
+        tasks.push(tokio::spawn(async move {
+            let mut sent = 0;
+            while sent < per_task {
+                let n = batch.min(per_task - sent);
+                let mut confirms = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let props = BasicProperties::default()
+                        .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                        .with_delivery_mode(2);
+                    confirms.push(
+                        ch.basic_publish(exchange.as_str().into(), "k".into(),
+                            BasicPublishOptions { mandatory: true, immediate: false }, &payload, props)
+                            .await?,
+                    );
+                }
+                for c in join_all(confirms).await {
+                    if !matches!(c?, Confirmation::Ack(None)) {
+                        anyhow::bail!("raw publish not acked");
+                    }
+                }
+                sent += n;
+            }
+            Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let raw = rate(per_task * args.pipeline, started.elapsed());
+    ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default()).await?;
+
+    // 2. enqueue_batch into a fresh outbox.
+    let db = TestDb::new().await;
+    outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+    let outbox = db.outbox();
+    let started = Instant::now();
+    let mut written = 0;
+    while written < args.messages {
+        let n = 1000.min(args.messages - written);
+        let batch: Vec<Message> = (written..written + n)
+            .map(|i| {
+                Message::builder(exchange.as_str())
+                    .key(format!("key-{}", i % args.keys.max(1)))
+                    .routing_key("bench")
+                    .payload(payload.clone())
+                    .build()
+            })
+            .collect::<Result<_, _>>()?;
+        outbox.enqueue_batch(&db.client, &batch).await?;
+        written += n;
+    }
+    let enqueue = rate(written, started.elapsed());
+    db.client.batch_execute(&format!("VACUUM ANALYZE {}", db.table())).await?;
+
+    // 3. The relay drains the backlog.
+    let settings = outbox_relay::Settings {
+        batch_size: args.batch as i64,
+        pipeline: args.pipeline,
+        ..outbox_relay::Settings::default()
+    };
+    let started = Instant::now();
+    let relay = outbox_tests::InProcessRelay::amqp(&db, settings);
+    while relay.stats.published.load(Ordering::Relaxed) < args.messages as u64 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let drain = rate(args.messages, started.elapsed());
+    relay.stop().await;
+
+    println!("{:<44} {:>10} {:>8}", "", "msgs/s", "vs raw");
+    println!("{:<44} {:>10.0} {:>8}", "raw lapin publisher (same confirm window)", raw, "1.00");
+    println!("{:<44} {:>10.0} {:>8.2}", "relay drain to rabbitmq", drain, drain / raw);
+    println!("{:<44} {:>10.0} {:>8}", "enqueue_batch (1,000 per statement)", enqueue, "-");
+
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
+    ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await?;
+    let _ = conn.close(200, "bench done".into()).await;
+    db.cleanup().await;
+    Ok(())
+}
