@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test: starts the services the suites need when they are not already
-# up, then `cargo test --workspace`. Extra arguments go to cargo test.
+# Runs every test: starts the services the suites need (Postgres, RabbitMQ and
+# the Kafka-protocol broker tansu, installing tansu once if it is missing) when
+# they are not already up, then `cargo test --workspace`; stops what it started. Extra arguments go to cargo test.
 #
 #   bash tests/run.sh                 # everything
 #   bash tests/run.sh --test client   # one suite
@@ -10,5 +11,7 @@ source tests/services.sh
 
 start_postgres
 start_rabbitmq
+start_tansu
+trap stop_tansu EXIT
 
 cargo test --workspace "$@"

@@ -32,3 +32,40 @@ start_rabbitmq() {
   wait_for rabbitmq 90 rabbitmqctl -q await_startup
   wait_for rabbitmq-port 30 bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672'
 }
+
+# tansu: an Apache-2.0, Kafka-protocol broker from crates.io, run in memory.
+# Built once with cargo install (several minutes) and reused afterwards.
+TANSU_PORT=${TANSU_PORT:-9092}
+TANSU_LOG=${TANSU_LOG:-${TMPDIR:-/tmp}/outbox-tansu.log}
+STARTED_TANSU_PID=
+
+tansu_bin() {
+  command -v tansu 2>/dev/null || { [ -x "$HOME/.cargo/bin/tansu" ] && echo "$HOME/.cargo/bin/tansu"; }
+}
+
+start_tansu() {
+  if bash -c "exec 3<>/dev/tcp/127.0.0.1/$TANSU_PORT" 2>/dev/null; then
+    return 0 # something already serves the Kafka port; use it
+  fi
+  local bin
+  bin=$(tansu_bin || true)
+  if [ -z "$bin" ]; then
+    echo "installing tansu (Kafka-protocol broker; one-time build of several minutes)"
+    cargo install tansu --locked --features dynostore,postgres
+    bin=$(tansu_bin)
+  fi
+  echo "starting tansu on 127.0.0.1:$TANSU_PORT (log: $TANSU_LOG)"
+  "$bin" broker \
+    --listener-url "tcp://127.0.0.1:$TANSU_PORT" \
+    --advertised-listener-url "tcp://127.0.0.1:$TANSU_PORT" \
+    --storage-engine memory://tansu/ >"$TANSU_LOG" 2>&1 &
+  STARTED_TANSU_PID=$!
+  wait_for tansu 60 bash -c "exec 3<>/dev/tcp/127.0.0.1/$TANSU_PORT"
+}
+
+stop_tansu() {
+  if [ -n "$STARTED_TANSU_PID" ]; then
+    kill "$STARTED_TANSU_PID" 2>/dev/null || true
+    wait "$STARTED_TANSU_PID" 2>/dev/null || true
+  fi
+}

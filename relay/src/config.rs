@@ -171,6 +171,33 @@ fn read_secret(
 pub enum BrokerKind {
     /// RabbitMQ, or any AMQP 0-9-1 broker with publisher confirms.
     Amqp,
+    /// Kafka, or any Kafka-protocol broker.
+    Kafka,
+}
+
+/// One librdkafka property, `key=value`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KafkaProperty(pub String, pub String);
+
+impl fmt::Debug for KafkaProperty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shown = if crate::publish::kafka::is_secret(&self.0) {
+            "***"
+        } else {
+            &self.1
+        };
+        write!(f, "{}={}", self.0, shown)
+    }
+}
+
+fn parse_kafka_property(s: &str) -> Result<KafkaProperty, String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => {
+            Ok(KafkaProperty(k.trim().to_owned(), v.to_owned()))
+        }
+        // Never echo the input: it may be a secret.
+        _ => Err("expected key=value, e.g. compression.type=lz4".to_owned()),
+    }
 }
 
 /// Flags of `outbox-relay run`.
@@ -195,6 +222,16 @@ pub struct RunArgs {
     /// Read the AMQP URL from this file instead.
     #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
     pub amqp_url_file: Option<PathBuf>,
+    /// Kafka bootstrap servers (host:port, comma-separated).
+    #[arg(long, env = "OUTBOX_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    pub kafka_brokers: String,
+    /// Any librdkafka producer property, as key=value; repeatable. In the env
+    /// var, separate several with commas. Applied last, so it overrides the
+    /// relay's defaults (SASL, TLS, compression, linger, ...). Values of
+    /// password/secret properties are never logged.
+    #[arg(long = "kafka-config", env = "OUTBOX_KAFKA_CONFIG", hide_env_values = true,
+          value_delimiter = ',', value_parser = parse_kafka_property)]
+    pub kafka_config: Vec<KafkaProperty>,
     /// Rows per batch. 500 keeps a batch's confirms within tens of milliseconds
     /// while amortizing the claim and delete round trips.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
@@ -219,7 +256,8 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_RECONNECT_MAX", default_value = "10s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
     /// Longest wait for a batch's confirms; past it the broker connection is
-    /// presumed dead, reopened, and the batch retried.
+    /// presumed dead, reopened, and the batch retried. On Kafka this is
+    /// message.timeout.ms.
     #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub confirm_timeout: Duration,
     /// How long in-flight batches may finish after SIGTERM before they are
@@ -271,6 +309,8 @@ pub struct Config {
 pub enum Broker {
     /// RabbitMQ.
     Amqp(crate::publish::amqp::AmqpSettings),
+    /// Kafka.
+    Kafka(crate::publish::kafka::KafkaSettings),
 }
 
 impl RunArgs {
@@ -295,6 +335,15 @@ impl RunArgs {
                 url: amqp_url.expose().to_owned(),
                 confirm_timeout: self.confirm_timeout,
                 connect_timeout: Duration::from_secs(10),
+            }),
+            BrokerKind::Kafka => Broker::Kafka(crate::publish::kafka::KafkaSettings {
+                brokers: self.kafka_brokers.clone(),
+                properties: self
+                    .kafka_config
+                    .iter()
+                    .map(|p| (p.0.clone(), p.1.clone()))
+                    .collect(),
+                message_timeout: self.confirm_timeout,
             }),
         };
         Ok(Config {
@@ -366,5 +415,39 @@ mod tests {
         };
         let err = args.into_config().map(|_| ()).expect_err("rejected");
         assert_eq!(err.flag, "--hold-limit");
+    }
+}
+
+#[cfg(test)]
+mod kafka_tests {
+    use super::*;
+
+    #[test]
+    fn kafka_properties_parse_and_hide_secrets() {
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from([
+            "outbox-relay",
+            "run",
+            "--broker",
+            "kafka",
+            "--kafka-config",
+            "compression.type=lz4",
+            "--kafka-config",
+            "sasl.password=hunter2",
+        ])
+        else {
+            panic!("flags parse");
+        };
+        let config = args.into_config().expect("valid");
+        let shown = format!("{config:?}");
+        assert!(shown.contains("compression.type"), "{shown}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        let err = Cli::try_parse_from(["outbox-relay", "run", "--kafka-config", "novalue"])
+            .map(|_| ())
+            .expect_err("rejected");
+        assert!(err.to_string().contains("--kafka-config"), "{err}");
+        assert!(!err.to_string().contains("novalue"), "{err}");
     }
 }

@@ -60,6 +60,16 @@ pub async fn run(config: config::Config, shutdown: CancellationToken) -> Result<
                 .run(shutdown)
                 .await
         }
+        config::Broker::Kafka(kafka) => {
+            let publisher =
+                publish::kafka::KafkaPublisher::new(kafka).map_err(|e| config::ConfigError {
+                    flag: "--kafka-config",
+                    reason: e.to_string(),
+                })?;
+            Relay::new(config.pg, config.schema, publisher, config.settings)
+                .run(shutdown)
+                .await
+        }
     }
 }
 

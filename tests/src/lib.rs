@@ -7,6 +7,7 @@
 pub mod amqp;
 pub mod check;
 pub mod db;
+pub mod kafka;
 pub mod process;
 pub mod workload;
 
@@ -20,6 +21,11 @@ pub fn pg_url() -> String {
 pub fn amqp_url() -> String {
     std::env::var("OUTBOX_TEST_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// Kafka bootstrap servers for tests.
+pub fn kafka_brokers() -> String {
+    std::env::var("OUTBOX_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
 }
 
 /// A short random lowercase suffix for schema, exchange and queue names.
@@ -81,6 +87,27 @@ impl InProcessRelay {
         Self::with(db, publisher, settings)
     }
 
+    /// Starts a Kafka relay on `db`'s schema, producing to `brokers`.
+    pub fn kafka(
+        db: &db::TestDb,
+        brokers: &str,
+        properties: &[(&str, &str)],
+        settings: outbox_relay::Settings,
+    ) -> InProcessRelay {
+        let publisher = outbox_relay::publish::kafka::KafkaPublisher::new(
+            outbox_relay::publish::kafka::KafkaSettings {
+                brokers: brokers.to_owned(),
+                properties: properties
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                message_timeout: std::time::Duration::from_secs(10),
+            },
+        )
+        .expect("valid kafka settings");
+        Self::with(db, publisher, settings)
+    }
+
     /// Starts a relay with any publisher.
     pub fn with<P: outbox_relay::publish::Publisher>(
         db: &db::TestDb,
@@ -127,6 +154,17 @@ pub fn seen_amqp(deliveries: &[amqp::Delivery]) -> Vec<check::Seen> {
         .map(|d| check::Seen {
             message_id: d.message_id.clone(),
             payload: d.payload.clone(),
+        })
+        .collect()
+}
+
+/// Converts Kafka records for the checker.
+pub fn seen_kafka(records: &[kafka::Record]) -> Vec<check::Seen> {
+    records
+        .iter()
+        .map(|r| check::Seen {
+            message_id: r.headers.get("message-id").cloned().unwrap_or_default(),
+            payload: r.payload.clone(),
         })
         .collect()
 }

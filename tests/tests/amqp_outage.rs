@@ -48,11 +48,17 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
 
     let written = writers.await.expect("writers");
     assert!(
-        eventually(Duration::from_secs(120), || async { db.pending().await == 0 }).await,
+        eventually(Duration::from_secs(120), || async {
+            db.pending().await == 0
+        })
+        .await,
         "outbox not drained after the broker came back"
     );
     assert!(
-        eventually(Duration::from_secs(120), || async { rabbit.count() >= written.committed.len() }).await,
+        eventually(Duration::from_secs(120), || async {
+            rabbit.count() >= written.committed.len()
+        })
+        .await,
         "only {} of {} delivered",
         rabbit.count(),
         written.committed.len()
@@ -64,7 +70,10 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
         relay.stats.batch_failures.load(Ordering::Relaxed) - failures_before
     );
     assert!(report.is_clean(), "{report}");
-    assert!(backlog_during_outage > 0, "the outage should have built a backlog in Postgres");
+    assert!(
+        backlog_during_outage > 0,
+        "the outage should have built a backlog in Postgres"
+    );
     assert!(
         relay.stats.batch_failures.load(Ordering::Relaxed) > failures_before,
         "the relay should have seen the broker down"

@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use uuid::Uuid;
 
 pub mod amqp;
+pub mod kafka;
 pub mod memory;
 
 /// One claimed outbox row, as handed to a publisher.

@@ -68,14 +68,36 @@ async fn main() -> anyhow::Result<()> {
     let exchange = outbox_tests::unique("bench");
     let queue = outbox_tests::unique("benchq");
 
-    let conn = Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
+    let conn =
+        Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
-    ch.exchange_declare(exchange.as_str().into(), ExchangeKind::Topic,
-        ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await?;
-    ch.queue_declare(queue.as_str().into(),
-        QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await?;
-    ch.queue_bind(queue.as_str().into(), exchange.as_str().into(), "#".into(),
-        QueueBindOptions::default(), FieldTable::default()).await?;
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_bind(
+        queue.as_str().into(),
+        exchange.as_str().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
 
     println!(
         "messages={} payload=1KiB keys={} batch={} pipeline={}",
@@ -84,7 +106,9 @@ async fn main() -> anyhow::Result<()> {
 
     // 1. Raw lapin baseline with the relay's confirm window.
     let pub_ch = Arc::new(conn.create_channel().await?);
-    pub_ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    pub_ch
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
     let started = Instant::now();
     let per_task = args.messages / args.pipeline;
     let mut tasks = Vec::new();
@@ -103,9 +127,17 @@ async fn main() -> anyhow::Result<()> {
                         .with_message_id(uuid::Uuid::now_v7().to_string().into())
                         .with_delivery_mode(2);
                     confirms.push(
-                        ch.basic_publish(exchange.as_str().into(), "k".into(),
-                            BasicPublishOptions { mandatory: true, immediate: false }, &payload, props)
-                            .await?,
+                        ch.basic_publish(
+                            exchange.as_str().into(),
+                            "k".into(),
+                            BasicPublishOptions {
+                                mandatory: true,
+                                immediate: false,
+                            },
+                            &payload,
+                            props,
+                        )
+                        .await?,
                     );
                 }
                 for c in join_all(confirms).await {
@@ -122,7 +154,8 @@ async fn main() -> anyhow::Result<()> {
         t.await??;
     }
     let raw = rate(per_task * args.pipeline, started.elapsed());
-    ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default()).await?;
+    ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+        .await?;
 
     // 2. enqueue_batch into a fresh outbox.
     let db = TestDb::new().await;
@@ -145,7 +178,9 @@ async fn main() -> anyhow::Result<()> {
         written += n;
     }
     let enqueue = rate(written, started.elapsed());
-    db.client.batch_execute(&format!("VACUUM ANALYZE {}", db.table())).await?;
+    db.client
+        .batch_execute(&format!("VACUUM ANALYZE {}", db.table()))
+        .await?;
 
     // 3. The relay drains the backlog.
     let settings = outbox_relay::Settings {
@@ -162,12 +197,25 @@ async fn main() -> anyhow::Result<()> {
     relay.stop().await;
 
     println!("{:<44} {:>10} {:>8}", "", "msgs/s", "vs raw");
-    println!("{:<44} {:>10.0} {:>8}", "raw lapin publisher (same confirm window)", raw, "1.00");
-    println!("{:<44} {:>10.0} {:>8.2}", "relay drain to rabbitmq", drain, drain / raw);
-    println!("{:<44} {:>10.0} {:>8}", "enqueue_batch (1,000 per statement)", enqueue, "-");
+    println!(
+        "{:<44} {:>10.0} {:>8}",
+        "raw lapin publisher (same confirm window)", raw, "1.00"
+    );
+    println!(
+        "{:<44} {:>10.0} {:>8.2}",
+        "relay drain to rabbitmq",
+        drain,
+        drain / raw
+    );
+    println!(
+        "{:<44} {:>10.0} {:>8}",
+        "enqueue_batch (1,000 per statement)", enqueue, "-"
+    );
 
-    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
-    ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await?;
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+    ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await?;
     let _ = conn.close(200, "bench done".into()).await;
     db.cleanup().await;
     Ok(())

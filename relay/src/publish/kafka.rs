@@ -1,0 +1,268 @@
+//! Kafka through librdkafka's idempotent producer.
+//!
+//! `enable.idempotence=true` with `acks=all` makes librdkafka retry internally
+//! without duplicating or reordering records within a partition, so a record's
+//! delivery report is the broker's durable "yes". The ordering key is the record
+//! key (so one key lands in one partition, in order); the message id travels in
+//! the `message-id` header.
+//!
+//! Errors that can never succeed for a record (too large, invalid) are rejected
+//! per message and recorded on the row. Every other error, including a timed
+//! out record whose status is "possibly persisted", fails the whole batch: it is
+//! retried, and a record that did reach the broker becomes a duplicate with the
+//! same message id, never a loss.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures::future::join_all;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+use super::{Envelope, Outcome, PublishError, Publisher, Rejection};
+
+/// Settings for [`KafkaPublisher`].
+#[derive(Clone)]
+pub struct KafkaSettings {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// librdkafka properties passed through verbatim; they override the
+    /// relay's defaults (SASL, TLS, compression, linger, ...).
+    pub properties: Vec<(String, String)>,
+    /// `message.timeout.ms`: how long librdkafka keeps retrying a record before
+    /// reporting it failed. The batch is then retried by the relay.
+    pub message_timeout: Duration,
+}
+
+/// Property names whose values are secrets.
+pub fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "secret",
+        "sasl.oauthbearer.config",
+        "ssl.key.pem",
+    ]
+    .iter()
+    .any(|s| k.contains(s))
+}
+
+impl std::fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let props: Vec<(&str, &str)> = self
+            .properties
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("KafkaSettings")
+            .field("brokers", &self.brokers)
+            .field("properties", &props)
+            .field("message_timeout", &self.message_timeout)
+            .finish()
+    }
+}
+
+impl KafkaSettings {
+    /// The producer configuration: safe defaults first, pass-through last.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            // Same partition for a key as the Java client gives it, so consumers
+            // and other producers agree on where a key lives.
+            .set("partitioner", "murmur2_random")
+            .set(
+                "message.timeout.ms",
+                self.message_timeout.as_millis().to_string(),
+            )
+            // librdkafka's default local queue is 1 GiB; a relay never needs more
+            // than its batches in flight, and the backlog belongs in Postgres.
+            .set("queue.buffering.max.kbytes", "65536")
+            .set("queue.buffering.max.messages", "100000")
+            .set("linger.ms", "5");
+        for (k, v) in &self.properties {
+            c.set(k, v);
+        }
+        c
+    }
+}
+
+/// Publishes to Kafka; rebuilds the producer if librdkafka reports it fatally
+/// failed (an idempotence violation it cannot repair).
+pub struct KafkaPublisher {
+    settings: KafkaSettings,
+    producer: RwLock<Arc<FutureProducer>>,
+}
+
+impl std::fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaPublisher {
+    /// Creates the producer; fails on an invalid property.
+    pub fn new(settings: KafkaSettings) -> Result<Self, KafkaError> {
+        let producer = settings.client_config().create::<FutureProducer>()?;
+        Ok(KafkaPublisher {
+            settings,
+            producer: RwLock::new(Arc::new(producer)),
+        })
+    }
+
+    fn producer(&self) -> Arc<FutureProducer> {
+        Arc::clone(&self.producer.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Replaces the producer after a fatal error; in-flight records of the old
+    /// one have already failed, so their batch is retried by the relay.
+    fn recover_if_fatal(&self, current: &Arc<FutureProducer>) {
+        if let Some((code, reason)) = current.client().fatal_error() {
+            tracing::error!(?code, %reason, "kafka producer failed fatally; creating a new one");
+            match self.settings.client_config().create::<FutureProducer>() {
+                Ok(p) => *self.producer.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(p),
+                Err(e) => tracing::error!(error = %e, "cannot create a new kafka producer"),
+            }
+        }
+    }
+}
+
+/// Errors a retry can never fix.
+fn is_permanent(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::InvalidMessageSize
+            | RDKafkaErrorCode::InvalidRecord
+            | RDKafkaErrorCode::InvalidTopic
+    )
+}
+
+/// Errors about one topic that an operator can fix (create the topic, grant
+/// access): the message waits and retries, while other topics keep flowing.
+fn is_topic_problem(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::UnknownTopicOrPartition
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+    )
+}
+
+/// The outcome for a record librdkafka refused or failed, or None when the
+/// failure is not the record's own and the batch must be retried.
+fn rejection(e: &KafkaError) -> Option<Rejection> {
+    match e {
+        KafkaError::MessageProduction(code) if is_permanent(*code) => {
+            Some(Rejection::permanent(format!("kafka: {code}")))
+        }
+        KafkaError::MessageProduction(code) if is_topic_problem(*code) => {
+            Some(Rejection::retryable(format!("kafka: {code}")))
+        }
+        _ => None,
+    }
+}
+
+fn headers(env: &Envelope) -> OwnedHeaders {
+    let id = env.message_id.to_string();
+    let mut h = OwnedHeaders::new_with_capacity(env.headers.len() + 2).insert(Header {
+        key: "message-id",
+        value: Some(id.as_str()),
+    });
+    if let Some(ct) = &env.content_type {
+        h = h.insert(Header {
+            key: "content-type",
+            value: Some(ct.as_str()),
+        });
+    }
+    for (k, v) in &env.headers {
+        h = h.insert(Header {
+            key: k.as_str(),
+            value: Some(v.as_str()),
+        });
+    }
+    h
+}
+
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Outcome>, PublishError> {
+        let producer = self.producer();
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+        let mut pending = Vec::with_capacity(batch.len());
+        for (i, env) in batch.iter().enumerate() {
+            let mut record = FutureRecord::<[u8], [u8]>::to(&env.destination)
+                .payload(&env.payload)
+                .headers(headers(env));
+            if let Some(key) = &env.ordering_key {
+                record = record.key(key.as_bytes());
+            }
+            match producer.send_result(record) {
+                Ok(delivery) => pending.push(async move { (i, delivery.await) }),
+                Err((e, _)) if rejection(&e).is_some() => {
+                    outcomes[i] = rejection(&e).map(Err);
+                }
+                Err((e, _)) => {
+                    // Nothing after this record may be sent ahead of it; the
+                    // records already queued still get their reports, but the
+                    // batch as a whole is retried.
+                    let _ = join_all(pending).await;
+                    self.recover_if_fatal(&producer);
+                    return Err(PublishError::new("kafka: cannot queue record", e));
+                }
+            }
+        }
+        let mut batch_error = None;
+        for (i, report) in join_all(pending).await {
+            outcomes[i] = Some(match report {
+                Ok(Ok(_delivery)) => Ok(()),
+                Ok(Err((e, _))) => match rejection(&e) {
+                    Some(r) => Err(r),
+                    None => {
+                        batch_error.get_or_insert(e);
+                        continue;
+                    }
+                },
+                Err(_canceled) => {
+                    batch_error.get_or_insert(KafkaError::Canceled);
+                    continue;
+                }
+            });
+        }
+        if let Some(e) = batch_error {
+            self.recover_if_fatal(&producer);
+            return Err(PublishError::new("kafka: delivery failed", e));
+        }
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Rejection::retryable("no delivery report"))))
+            .collect())
+    }
+
+    async fn ready(&self) -> Result<(), PublishError> {
+        let producer = self.producer();
+        tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(None, Duration::from_secs(5))
+                .map(|_| ())
+        })
+        .await
+        .map_err(|e| PublishError::new("kafka: metadata task failed", e))?
+        .map_err(|e| PublishError::new("kafka: brokers unreachable", e))
+    }
+
+    async fn close(&self) {
+        // Dropping a producer purges what it has not delivered: flush first.
+        let producer = self.producer();
+        let timeout = self.settings.message_timeout.min(Duration::from_secs(10));
+        let flushed = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
+        if let Ok(Err(e)) = flushed {
+            tracing::warn!(error = %e, "kafka producer flush incomplete at shutdown");
+        }
+    }
+}
