@@ -13,5 +13,6 @@ start_postgres
 start_rabbitmq
 start_tansu
 trap stop_tansu EXIT
+ensure_python_consumers
 
 cargo test --workspace "$@"

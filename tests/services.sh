@@ -69,3 +69,11 @@ stop_tansu() {
     wait "$STARTED_TANSU_PID" 2>/dev/null || true
   fi
 }
+
+# The suites' independent consumers in another language (tests/consumers/).
+ensure_python_consumers() {
+  if ! python3 -c 'import pika, confluent_kafka' 2>/dev/null; then
+    echo "installing python consumers' libraries (pika, confluent-kafka)"
+    python3 -m pip install --quiet --disable-pip-version-check pika confluent-kafka
+  fi
+}

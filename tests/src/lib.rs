@@ -9,6 +9,7 @@ pub mod check;
 pub mod db;
 pub mod kafka;
 pub mod process;
+pub mod proxy;
 pub mod workload;
 
 /// Postgres URL for tests.

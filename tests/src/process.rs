@@ -49,6 +49,15 @@ impl RelayProcess {
         assert!(status.success(), "kill -{signal} failed");
     }
 
+    /// Resident memory in KiB, from /proc (None once the process is gone).
+    pub fn rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
     /// SIGKILL and reap.
     pub async fn kill9(mut self) {
         self.signal("KILL").await;
@@ -58,5 +67,60 @@ impl RelayProcess {
     /// Waits for the process to exit and returns its exit code.
     pub async fn wait(&mut self) -> Option<i32> {
         self.child.wait().await.ok().and_then(|s| s.code())
+    }
+}
+
+/// The tansu binary (Kafka-protocol broker): `OUTBOX_TEST_TANSU_BIN`, then PATH,
+/// then cargo's bin directory. `tests/run.sh` installs it when missing.
+pub fn tansu_bin() -> std::path::PathBuf {
+    if let Ok(p) = std::env::var("OUTBOX_TEST_TANSU_BIN") {
+        return p.into();
+    }
+    let candidates = std::env::var_os("PATH")
+        .map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("tansu"))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default()
+        .into_iter()
+        .chain(std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cargo/bin/tansu")));
+    for c in candidates {
+        if c.is_file() {
+            return c;
+        }
+    }
+    panic!("tansu not found: run the suites through tests/run.sh, which installs it")
+}
+
+/// A private tansu broker listening on `listen_port` and advertising
+/// `advertised_port` (e.g. a proxy's), storing in memory.
+pub struct Tansu {
+    child: Child,
+}
+
+impl Tansu {
+    /// Starts it; the caller waits for the port.
+    pub fn start(listen_port: u16, advertised_port: u16) -> Tansu {
+        let child = Command::new(tansu_bin())
+            .arg("broker")
+            .arg("--listener-url")
+            .arg(format!("tcp://127.0.0.1:{listen_port}"))
+            .arg("--advertised-listener-url")
+            .arg(format!("tcp://127.0.0.1:{advertised_port}"))
+            .arg("--storage-engine")
+            .arg("memory://tansu/")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn tansu");
+        Tansu { child }
+    }
+
+    /// Stops it.
+    pub async fn stop(mut self) {
+        let _ = self.child.kill().await;
     }
 }

@@ -1,0 +1,102 @@
+//! A TCP proxy that can pass traffic, refuse it, or black-hole it, to cut a
+//! relay off from its broker without touching the broker itself.
+
+use std::sync::Arc;
+
+use tokio::io::copy_bidirectional;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// What the proxy does with connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forward bytes both ways.
+    Pass,
+    /// Close every connection, open or new (a broker that is down).
+    Refuse,
+    /// Accept connections and forward nothing; open ones stall (a network that
+    /// silently drops packets). Leaving this mode closes them.
+    BlackHole,
+}
+
+/// A running proxy from `127.0.0.1:port` to an upstream address.
+pub struct Proxy {
+    /// The port to connect to instead of the upstream's.
+    pub port: u16,
+    mode: Arc<watch::Sender<Mode>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Starts a proxy on a free local port in front of `upstream` (host:port).
+    pub async fn start(upstream: &str) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        Self::start_on(listener, upstream)
+    }
+
+    /// Starts a proxy on an already bound listener.
+    pub fn start_on(listener: TcpListener, upstream: &str) -> Proxy {
+        let port = listener.local_addr().expect("local addr").port();
+        let (tx, _) = watch::channel(Mode::Pass);
+        let mode = Arc::new(tx);
+        let upstream = upstream.to_owned();
+        let m = Arc::clone(&mode);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let rx = m.subscribe();
+                let upstream = upstream.clone();
+                tokio::spawn(serve(client, upstream, rx));
+            }
+        });
+        Proxy { port, mode, task }
+    }
+
+    /// Switches mode; open connections react at once.
+    pub fn set(&self, mode: Mode) {
+        self.mode.send_replace(mode);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(mut client: TcpStream, upstream: String, mut mode: watch::Receiver<Mode>) {
+    let current = *mode.borrow_and_update();
+    match current {
+        Mode::Refuse => {}
+        Mode::BlackHole => {
+            // Hold the socket, read nothing, answer nothing, until the mode changes.
+            let _ = mode.changed().await;
+        }
+        Mode::Pass => {
+            let Ok(mut server) = TcpStream::connect(&upstream).await else {
+                return;
+            };
+            tokio::select! {
+                _ = copy_bidirectional(&mut client, &mut server) => {}
+                _ = wait_until_not_pass(&mut mode) => {
+                    if *mode.borrow() == Mode::BlackHole {
+                        // Stop forwarding but keep both sockets open: the peer
+                        // sees silence, not a reset.
+                        let _ = mode.changed().await;
+                    }
+                }
+            }
+        }
+    }
+    // Dropping the sockets closes them.
+}
+
+async fn wait_until_not_pass(mode: &mut watch::Receiver<Mode>) {
+    while *mode.borrow_and_update() == Mode::Pass {
+        if mode.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}

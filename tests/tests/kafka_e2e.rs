@@ -1,0 +1,324 @@
+//! The whole path to a real Kafka-protocol broker (tansu), read back by an
+//! independent consumer.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_tests::check::check;
+use outbox_tests::db::TestDb;
+use outbox_tests::kafka::Fixture;
+use outbox_tests::process::{RelayProcess, Tansu};
+use outbox_tests::proxy::{Mode, Proxy};
+use outbox_tests::workload::{self, Spec, Tag};
+use outbox_tests::{eventually, fast_settings, kafka_brokers, seen_kafka, InProcessRelay};
+
+const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+const PATIENCE: Duration = Duration::from_secs(180);
+
+/// 20,000 messages over 200 keys: every id arrives, record key = ordering key,
+/// headers as contracted, one partition per key, per-key order as committed.
+#[tokio::test]
+async fn every_message_keyed_with_headers_in_key_order() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 8).await;
+    let db = TestDb::new().await;
+    let relay = InProcessRelay::kafka(&db, &brokers, &[], fast_settings());
+
+    let spec = Spec::new(&kafka.topic, 8, 200, 20_000);
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+    assert!(
+        eventually(PATIENCE, || async {
+            kafka.count() >= written.committed.len()
+        })
+        .await,
+        "only {} of {} consumed",
+        kafka.count(),
+        written.committed.len()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let records = kafka.records();
+    let report = check(&written, &seen_kafka(&records));
+    println!("kafka 20k/200 keys: {report}");
+    assert!(report.is_clean(), "{report}");
+
+    let mut partition_of: HashMap<String, i32> = HashMap::new();
+    for r in &records {
+        let tag: Tag = serde_json::from_slice(&r.payload).expect("payload is a tag");
+        assert_eq!(
+            r.key.as_deref(),
+            Some(tag.key.as_str()),
+            "record key = ordering key"
+        );
+        assert_eq!(
+            r.headers.get("content-type").map(String::as_str),
+            Some("application/json")
+        );
+        assert!(r.headers.contains_key("message-id"));
+        let p = *partition_of.entry(tag.key.clone()).or_insert(r.partition);
+        assert_eq!(p, r.partition, "key {} spread over partitions", tag.key);
+    }
+    assert!(
+        partition_of
+            .values()
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+            > 1
+    );
+    relay.stop().await;
+    kafka.stop().await;
+    db.cleanup().await;
+}
+
+/// A record larger than the producer accepts: its error is recorded, the row
+/// stays, and other rows keep flowing.
+#[tokio::test]
+async fn record_too_large_is_recorded_and_does_not_block() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 2).await;
+    let db = TestDb::new().await;
+    let relay = InProcessRelay::kafka(&db, &brokers, &[], fast_settings());
+
+    let outbox = db.outbox().max_payload_bytes(4 << 20);
+    let huge = Message::builder(kafka.topic.as_str())
+        .key("big")
+        .payload(vec![7u8; 2 << 20])
+        .build()
+        .expect("valid");
+    let huge_id = outbox.enqueue(&db.client, &huge).await.expect("enqueue");
+    let small: Vec<Message> = (0..300)
+        .map(|i| {
+            Message::builder(kafka.topic.as_str())
+                .key(format!("k{}", i % 7))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &small)
+        .await
+        .expect("enqueue");
+
+    assert!(
+        eventually(PATIENCE, || async { kafka.count() >= 300 }).await,
+        "others blocked"
+    );
+    let q = format!(
+        "SELECT attempts, last_error FROM {} WHERE message_id = $1",
+        db.table()
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            match db
+                .client
+                .query_opt(&q, &[&huge_id.0])
+                .await
+                .expect("select")
+            {
+                Some(r) => {
+                    r.get::<_, i32>(0) >= 1
+                        && r.get::<_, Option<String>>(1)
+                            .is_some_and(|e| e.contains("too large"))
+                }
+                None => false,
+            }
+        })
+        .await,
+        "the oversized row must stay with its error"
+    );
+    assert_eq!(db.pending().await, 1);
+    relay.stop().await;
+    kafka.stop().await;
+    db.cleanup().await;
+}
+
+/// kill -9 of a Kafka relay process mid-run: nothing lost.
+#[tokio::test]
+async fn kill_9_mid_run_loses_nothing() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 4).await;
+    let db = TestDb::new().await;
+    let env = vec![
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BROKER", "kafka".to_string()),
+        ("OUTBOX_KAFKA_BROKERS", brokers.clone()),
+        ("OUTBOX_BATCH_SIZE", "200".to_string()),
+    ];
+    let spec = Spec::new(&kafka.topic, 4, 40, 10_000);
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+
+    let mut kills = 0;
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    for _ in 0..3 {
+        let before = kafka.count();
+        assert!(
+            eventually(PATIENCE, || async {
+                kafka.count() > before + 500 || db.pending().await == 0
+            })
+            .await
+        );
+        if db.pending().await == 0 {
+            break;
+        }
+        relay.kill9().await;
+        kills += 1;
+        relay = RelayProcess::start(RELAY_BIN, &env);
+    }
+    assert!(kills >= 1, "finished before any kill; grow the backlog");
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "not drained"
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            kafka.count() >= written.committed.len()
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    relay.signal("TERM").await;
+    assert_eq!(
+        relay.wait().await,
+        Some(0),
+        "SIGTERM exits 0 after flushing"
+    );
+    let report = check(&written, &seen_kafka(&kafka.records()));
+    println!("kafka kill -9 x{kills}: {report}");
+    assert!(report.is_clean(), "{report}");
+    kafka.stop().await;
+    db.cleanup().await;
+}
+
+/// The broker unreachable for 30 s (a proxy refusing every connection) while
+/// 16 KiB messages pile up: the relay keeps running with bounded memory, and
+/// everything is delivered after recovery.
+#[tokio::test]
+async fn broker_unreachable_for_30s_memory_bounded_then_delivered() {
+    outbox_tests::init_logging();
+    // A private broker that advertises the proxy, so every connection librdkafka
+    // makes goes through it.
+    let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let proxy_port = proxy_listener.local_addr().expect("addr").port();
+    let broker_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let tansu = Tansu::start(broker_port, proxy_port);
+    let proxy = Proxy::start_on(proxy_listener, &format!("127.0.0.1:{broker_port}"));
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", broker_port))
+                .await
+                .is_ok()
+        })
+        .await,
+        "private tansu did not start"
+    );
+    let brokers = format!("127.0.0.1:{proxy_port}");
+    let kafka = Fixture::new(&brokers, 4).await;
+    let db = TestDb::new().await;
+    let env = vec![
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BROKER", "kafka".to_string()),
+        ("OUTBOX_KAFKA_BROKERS", brokers.clone()),
+        ("OUTBOX_CONFIRM_TIMEOUT", "5s".to_string()),
+        ("OUTBOX_HOLD_LIMIT", "30s".to_string()),
+        ("OUTBOX_RECONNECT_MAX", "2s".to_string()),
+    ];
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+
+    let outbox = db.outbox();
+    let payload = vec![b'p'; 16 * 1024];
+    let mut ids = Vec::new();
+    let enqueue = |n: usize| -> Vec<Message> {
+        (0..n)
+            .map(|i| {
+                Message::builder(kafka.topic.as_str())
+                    .key(format!("k{}", i % 50))
+                    .payload(payload.clone())
+                    .build()
+                    .expect("valid")
+            })
+            .collect()
+    };
+    ids.extend(
+        outbox
+            .enqueue_batch(&db.client, &enqueue(500))
+            .await
+            .expect("enqueue"),
+    );
+    assert!(
+        eventually(PATIENCE, || async { kafka.count() >= 500 }).await,
+        "no flow before the outage"
+    );
+    let rss_before = relay.rss_kib().expect("relay alive");
+
+    proxy.set(Mode::Refuse);
+    let mut peak = rss_before;
+    for _ in 0..30 {
+        // 5,000 messages of 16 KiB (80 MiB) arrive during the outage.
+        ids.extend(
+            outbox
+                .enqueue_batch(&db.client, &enqueue(167))
+                .await
+                .expect("enqueue"),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        peak = peak.max(
+            relay
+                .rss_kib()
+                .expect("relay still running during the outage"),
+        );
+    }
+    let backlog = db.pending().await;
+    proxy.set(Mode::Pass);
+
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "not drained after recovery"
+    );
+    let unique: std::collections::HashSet<String> = kafka
+        .records()
+        .iter()
+        .filter_map(|r| r.headers.get("message-id").cloned())
+        .collect();
+    assert!(
+        eventually(PATIENCE, || async {
+            let seen: std::collections::HashSet<String> = kafka
+                .records()
+                .iter()
+                .filter_map(|r| r.headers.get("message-id").cloned())
+                .collect();
+            ids.iter().all(|id| seen.contains(&id.to_string()))
+        })
+        .await,
+        "messages lost: {} unique of {}",
+        unique.len(),
+        ids.len()
+    );
+    println!(
+        "kafka 30s outage: backlog {backlog} rows (~{} MiB) waited in postgres; relay rss {} MiB before, {} MiB peak",
+        backlog * 16 / 1024,
+        rss_before / 1024,
+        peak / 1024
+    );
+    assert!(backlog > 1000, "the outage should have built a backlog");
+    // The relay holds at most its batches in flight plus librdkafka's bounded
+    // queue (64 MiB), not the 80 MiB backlog; 256 MiB is a generous ceiling.
+    assert!(
+        peak < 256 * 1024,
+        "relay memory grew to {} MiB during the outage",
+        peak / 1024
+    );
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0));
+    kafka.stop().await;
+    db.cleanup().await;
+    tansu.stop().await;
+}
