@@ -268,6 +268,30 @@ pub struct RunArgs {
     /// its session and frees them. Must exceed --confirm-timeout.
     #[arg(long, env = "OUTBOX_HOLD_LIMIT", default_value = "60s", value_parser = parse_duration)]
     pub hold_limit: Duration,
+    /// How long a replica that stops answering keeps its partitions: the
+    /// failover bound. A replica that dies outright hands them over at once.
+    #[arg(long, env = "OUTBOX_LEASE", default_value = "5s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// Broker rejections (returns, nacks, unknown topic...) before a message is
+    /// moved to the dead letters. Outages never count. Errors that can never
+    /// succeed (e.g. too large) dead-letter at once.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10,
+          value_parser = clap::value_parser!(i32).range(1..))]
+    pub max_attempts: i32,
+    /// What later messages of a dead-lettered message's key do: `park` (wait
+    /// behind it, keeping order, until it is retried or discarded) or `skip`
+    /// (go ahead without it).
+    #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
+    pub dead_letter_order: DeadLetterOrder,
+}
+
+/// What happens to a key's later messages when one is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeadLetterOrder {
+    /// Hold them back until the dead letter is retried or discarded.
+    Park,
+    /// Let them go ahead.
+    Skip,
 }
 
 /// Flags of `outbox-relay demo`.
@@ -359,6 +383,9 @@ impl RunArgs {
                 reconnect_max: self.reconnect_max,
                 shutdown_grace: self.shutdown_grace,
                 hold_limit: self.hold_limit,
+                max_attempts: self.max_attempts,
+                park_on_dead_letter: self.dead_letter_order == DeadLetterOrder::Park,
+                lease: self.lease,
             },
         })
     }

@@ -19,6 +19,7 @@ use tokio_util::task::TaskTracker;
 use crate::backoff::{delay_for, Backoff};
 use crate::publish::{Envelope, Outcome, Publisher};
 use crate::source::claim::Queries;
+use crate::source::ownership::{self, Owned, OwnershipSettings};
 use crate::source::{self, listener};
 use crate::Error;
 
@@ -42,6 +43,12 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// Upper bound on how long a stalled relay keeps its claimed rows locked.
     pub hold_limit: Duration,
+    /// Broker rejections after which a message moves to the dead letters.
+    pub max_attempts: i32,
+    /// Whether a dead-lettered message holds back the later messages of its key.
+    pub park_on_dead_letter: bool,
+    /// How long a silent replica keeps its partitions (failover bound).
+    pub lease: Duration,
 }
 
 impl Default for Settings {
@@ -55,6 +62,9 @@ impl Default for Settings {
             reconnect_max: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(5),
             hold_limit: Duration::from_secs(60),
+            max_attempts: 10,
+            park_on_dead_letter: true,
+            lease: Duration::from_secs(5),
         }
     }
 }
@@ -71,6 +81,11 @@ pub struct Stats {
     pub held_back: AtomicU64,
     /// Batches that failed as a whole (broker unreachable).
     pub batch_failures: AtomicU64,
+    /// Messages moved to the dead letters.
+    pub dead_lettered: AtomicU64,
+    /// Batches dropped unpublished because the relay stalled past its hold limit
+    /// between claiming and publishing them.
+    pub stale_batches: AtomicU64,
 }
 
 /// A relay for one outbox schema and one broker.
@@ -84,6 +99,7 @@ pub struct Relay<P: Publisher> {
 
 struct Worker<P: Publisher> {
     id: usize,
+    owned: Owned,
     pg: tokio_postgres::Config,
     queries: Queries,
     publisher: Arc<P>,
@@ -137,8 +153,10 @@ impl<P: Publisher> Relay<P> {
     /// Fails only when the outbox schema is missing; lost connections to Postgres
     /// or the broker are retried with capped backoff for as long as it runs.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let queries = Queries::new(&self.schema);
+        let queries = Queries::new(&self.schema, self.settings.park_on_dead_letter);
         self.wait_for_schema(&queries, &shutdown).await?;
+
+        let (owned_tx, owned) = watch::channel(Arc::new(Vec::new()));
 
         let (wake, _) = watch::channel(0u64);
         let wake = Arc::new(wake);
@@ -150,9 +168,20 @@ impl<P: Publisher> Relay<P> {
             self.settings.reconnect_max,
             shutdown.clone(),
         ));
+        tracker.spawn(ownership::run(
+            self.pg.clone(),
+            self.schema.clone(),
+            OwnershipSettings {
+                lease: self.settings.lease,
+            },
+            owned_tx,
+            self.settings.reconnect_max,
+            shutdown.clone(),
+        ));
         for id in 0..self.settings.pipeline.max(1) {
             let worker = Worker {
                 id,
+                owned: owned.clone(),
                 pg: self.pg.clone(),
                 queries: queries.clone(),
                 publisher: Arc::clone(&self.publisher),
@@ -203,7 +232,7 @@ impl<P: Publisher> Relay<P> {
 }
 
 impl<P: Publisher> Worker<P> {
-    async fn run(self, mut wake: watch::Receiver<u64>, shutdown: CancellationToken) {
+    async fn run(mut self, mut wake: watch::Receiver<u64>, shutdown: CancellationToken) {
         let mut reconnect = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         'connect: while !shutdown.is_cancelled() {
@@ -227,6 +256,7 @@ impl<P: Publisher> Worker<P> {
                         tokio::select! {
                             _ = shutdown.cancelled() => {}
                             _ = wake.changed() => {}
+                            _ = self.owned.changed() => {}
                             _ = tokio::time::sleep(self.settings.poll_interval) => {}
                         }
                     }
@@ -274,11 +304,29 @@ impl<P: Publisher> Worker<P> {
     }
 
     async fn batch(&self, client: &mut Client) -> Result<BatchEnd, BatchError> {
+        let partitions = Arc::clone(&self.owned.borrow());
+        if partitions.is_empty() {
+            return Ok(BatchEnd::Empty);
+        }
         let tx = client.transaction().await?;
-        let batch = self.queries.claim(&tx, self.settings.batch_size).await?;
+        let claimed_at = std::time::Instant::now();
+        let batch = self
+            .queries
+            .claim(&tx, self.settings.batch_size, &partitions)
+            .await?;
         if batch.is_empty() {
             tx.commit().await?;
             return Ok(BatchEnd::Empty);
+        }
+        // A process stopped between claim and publish (SIGSTOP, a long GC-like
+        // stall) may have lost its rows to another replica by now: Postgres ends
+        // a session idle in a transaction past the hold limit. Publishing them
+        // would only make duplicates, so drop the batch; half the limit leaves
+        // margin for the clocks of the two machines.
+        if claimed_at.elapsed() > self.settings.hold_limit / 2 {
+            self.stats.stale_batches.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
+            return Ok(BatchEnd::Settled);
         }
         let outcomes = match self.publisher.publish(&batch).await {
             Ok(o) => o,
@@ -301,7 +349,22 @@ impl<P: Publisher> Worker<P> {
         let plan = settle_plan(&batch, &outcomes, &self.settings);
         self.queries.delete(&tx, &plan.delete).await?;
         self.queries.fail(&tx, &plan.failed).await?;
+        self.queries.dead_letter(&tx, &plan.dead).await?;
         tx.commit().await?;
+        self.stats
+            .dead_lettered
+            .fetch_add(plan.dead.len() as u64, Ordering::Relaxed);
+        for (seq, reason) in &plan.dead {
+            if let Some(env) = batch.iter().find(|e| e.seq == *seq) {
+                tracing::error!(
+                    message_id = %env.message_id,
+                    destination = %env.destination,
+                    attempts = env.attempts + 1,
+                    reason = %reason,
+                    "message moved to dead letters"
+                );
+            }
+        }
 
         self.stats
             .published
@@ -340,6 +403,7 @@ impl<P: Publisher> Worker<P> {
 struct SettlePlan {
     delete: Vec<i64>,
     failed: Vec<(i64, String, Duration)>,
+    dead: Vec<(i64, String)>,
     held: usize,
 }
 
@@ -360,13 +424,13 @@ fn settle_plan(batch: &[Envelope], outcomes: &[Outcome], settings: &Settings) ->
         match outcome {
             Ok(()) => plan.delete.push(env.seq),
             Err(rejection) => {
-                let attempt = u32::try_from(env.attempts).unwrap_or(0);
-                let delay = if rejection.permanent {
-                    settings.retry_max
+                if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
+                    plan.dead.push((env.seq, rejection.reason.clone()));
                 } else {
-                    delay_for(settings.retry_base, settings.retry_max, attempt)
-                };
-                plan.failed.push((env.seq, rejection.reason.clone(), delay));
+                    let attempt = u32::try_from(env.attempts).unwrap_or(0);
+                    let delay = delay_for(settings.retry_base, settings.retry_max, attempt);
+                    plan.failed.push((env.seq, rejection.reason.clone(), delay));
+                }
                 if let Some(key) = env.ordering_key.as_deref() {
                     blocked.insert(key);
                 }
@@ -432,13 +496,23 @@ mod tests {
     }
 
     #[test]
-    fn permanent_rejections_wait_the_longest_delay() {
+    fn permanent_rejections_and_exhausted_attempts_go_to_dead_letters() {
         let settings = Settings::default();
+        let mut tired = env(2, Some("k"));
+        tired.attempts = settings.max_attempts - 1;
         let plan = settle_plan(
-            &[env(1, None)],
-            &[Err(Rejection::permanent("too large"))],
+            &[env(1, None), tired, env(3, None)],
+            &[
+                Err(Rejection::permanent("too large")),
+                Err(Rejection::retryable("no route")),
+                Err(Rejection::retryable("no route")),
+            ],
             &settings,
         );
-        assert_eq!(plan.failed[0].2, settings.retry_max);
+        assert_eq!(
+            plan.dead.iter().map(|d| d.0).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert_eq!(plan.failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![3]);
     }
 }

@@ -210,15 +210,31 @@ async fn concurrent_migrations_are_safe() {
             .expect("every concurrent migrate succeeds");
     }
     let client = outbox_tests::db::connect(&config).await;
-    let applied: i64 = client
+    let row = client
         .query_one(
-            &format!("SELECT count(*) FROM \"{schema}\".refinery_schema_history"),
+            &format!("SELECT count(*), count(DISTINCT version) FROM \"{schema}\".refinery_schema_history"),
             &[],
         )
         .await
-        .expect("history")
+        .expect("history");
+    let (applied, distinct): (i64, i64) = (row.get(0), row.get(1));
+    // Reference: a schema migrated by a single caller.
+    let reference = TestDb::new().await;
+    let expected: i64 = reference
+        .client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {}.refinery_schema_history",
+                reference.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("reference history")
         .get(0);
-    assert_eq!(applied, 1, "each migration applied exactly once");
+    reference.cleanup().await;
+    assert_eq!(applied, distinct, "a migration was applied twice");
+    assert_eq!(applied, expected, "every migration applied exactly once");
     client
         .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .await

@@ -27,19 +27,31 @@ pub struct Queries {
     claim: String,
     delete: String,
     fail: String,
+    dead_letter: String,
     note_batch_error: String,
     exists: String,
 }
 
 impl Queries {
-    /// Statements for the outbox in `schema`.
-    pub fn new(schema: &SchemaName) -> Self {
+    /// Statements for the outbox in `schema`. With `park`, a dead-lettered
+    /// message holds back the later messages of its key until it is retried or
+    /// discarded; without, they go ahead.
+    pub fn new(schema: &SchemaName, park: bool) -> Self {
         let t = format!("{}.messages", schema.quoted());
+        let dl = format!("{}.dead_letters", schema.quoted());
+        let parked = if park {
+            format!(
+                " AND NOT EXISTS (SELECT 1 FROM {dl} d \
+                   WHERE d.ordering_key = m.ordering_key AND d.seq < m.seq)"
+            )
+        } else {
+            String::new()
+        };
         Queries {
             claim: format!(
                 "WITH cand AS ( \
                     SELECT seq FROM {t} \
-                    WHERE next_attempt_at <= now() \
+                    WHERE next_attempt_at <= now() AND partition = ANY($2::smallint[]) \
                     ORDER BY seq \
                     LIMIT $1 \
                     FOR UPDATE SKIP LOCKED \
@@ -47,11 +59,19 @@ impl Queries {
                  SELECT m.seq, m.message_id, m.destination, m.ordering_key, m.routing_key, \
                         m.headers, m.payload, m.content_type, m.created_at, m.attempts \
                  FROM {t} m JOIN cand USING (seq) \
-                 WHERE m.ordering_key IS NULL OR NOT EXISTS ( \
+                 WHERE m.ordering_key IS NULL OR (NOT EXISTS ( \
                     SELECT 1 FROM {t} p \
                     WHERE p.ordering_key = m.ordering_key AND p.seq < m.seq \
-                      AND p.seq NOT IN (SELECT seq FROM cand)) \
+                      AND p.seq NOT IN (SELECT seq FROM cand)){parked}) \
                  ORDER BY m.seq"
+            ),
+            dead_letter: format!(
+                "WITH f AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS f(seq, err)), \
+                 moved AS (DELETE FROM {t} m USING f WHERE m.seq = f.seq RETURNING m.*, f.err) \
+                 INSERT INTO {dl} (seq, message_id, destination, ordering_key, routing_key, headers, \
+                                   payload, content_type, created_at, attempts, last_error, last_attempt_at) \
+                 SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
+                        content_type, created_at, attempts + 1, err, now() FROM moved"
             ),
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
             fail: format!(
@@ -76,13 +96,17 @@ impl Queries {
         client.execute(self.exists.as_str(), &[]).await.map(|_| ())
     }
 
-    /// Locks and returns up to `limit` ready rows, oldest first.
+    /// Locks and returns up to `limit` ready rows of the `partitions` this
+    /// replica owns, oldest first.
     pub async fn claim(
         &self,
         tx: &Transaction<'_>,
         limit: i64,
+        partitions: &[i16],
     ) -> Result<Vec<Envelope>, tokio_postgres::Error> {
-        let rows = tx.query(self.claim.as_str(), &[&limit]).await?;
+        let rows = tx
+            .query(self.claim.as_str(), &[&limit, &partitions])
+            .await?;
         rows.iter().map(envelope).collect()
     }
 
@@ -111,6 +135,21 @@ impl Queries {
         let errors: Vec<&str> = failures.iter().map(|f| f.1.as_str()).collect();
         let delays: Vec<f64> = failures.iter().map(|f| f.2.as_secs_f64()).collect();
         tx.execute(self.fail.as_str(), &[&seqs, &errors, &delays])
+            .await
+    }
+
+    /// Moves rows to the dead letters with their final error.
+    pub async fn dead_letter(
+        &self,
+        tx: &Transaction<'_>,
+        rows: &[(i64, String)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let seqs: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let errors: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
+        tx.execute(self.dead_letter.as_str(), &[&seqs, &errors])
             .await
     }
 

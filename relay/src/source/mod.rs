@@ -2,9 +2,11 @@
 //!
 //! - [`listener`] turns NOTIFYs into wake-ups; polling covers anything it misses.
 //! - [`claim`] holds the SQL that claims a batch and settles it afterwards.
+//! - [`ownership`] shares the 64 virtual partitions between replicas.
 
 pub mod claim;
 pub mod listener;
+pub mod ownership;
 
 use std::time::Duration;
 

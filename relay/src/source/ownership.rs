@@ -1,0 +1,240 @@
+//! Which virtual partitions this replica works on.
+//!
+//! Every row belongs to one of [`PARTITIONS`] partitions (a hash of its ordering
+//! key). A replica owns a partition while its ownership session holds the
+//! session-level advisory lock `(partition key, partition)`; it is present while
+//! that session holds `(presence key, slot)`. Both vanish the moment the session
+//! ends: at once when the process dies (its socket closes), and after `lease`
+//! when it stops answering (Postgres' `idle_session_timeout` ends a session that
+//! misses its heartbeats, e.g. a SIGSTOPped process).
+//!
+//! Each tick a replica counts the replicas present, takes free partitions up to
+//! its fair share `ceil(64 / replicas)`, and releases any beyond it, so
+//! ownership converges as replicas join and leave.
+//!
+//! Ownership only spreads the work. Correctness does not depend on it: row locks
+//! keep two replicas from publishing one row at the same time, and the claim's
+//! head-of-key rule keeps per-key order, even while ownership changes hands.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_client::SchemaName;
+use rand::seq::SliceRandom;
+use tokio::sync::watch;
+use tokio_postgres::{Client, Config, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+
+/// Number of virtual partitions; fixed by the schema (migration V2).
+pub const PARTITIONS: i16 = 64;
+
+/// Advisory-lock namespaces of one schema, as `(key1)` of the two-key form.
+#[derive(Debug, Clone, Copy)]
+pub struct LockKeys {
+    /// Key for partition locks: `(partitions, partition)`.
+    pub partitions: i32,
+    /// Key for presence locks: `(presence, slot)`.
+    pub presence: i32,
+}
+
+impl LockKeys {
+    /// Asks Postgres for the schema's keys (non-negative, so they compare
+    /// directly with `pg_locks.classid`).
+    pub async fn fetch(
+        client: &Client,
+        schema: &SchemaName,
+    ) -> Result<Self, tokio_postgres::Error> {
+        let row = client
+            .query_one(
+                "SELECT hashtext('outbox-partitions:' || $1) & 2147483647, \
+                        hashtext('outbox-replicas:' || $1) & 2147483647",
+                &[&schema.as_str()],
+            )
+            .await?;
+        Ok(LockKeys {
+            partitions: row.get(0),
+            presence: row.get(1),
+        })
+    }
+}
+
+/// The set of partitions this replica may claim from, as the workers see it.
+pub type Owned = watch::Receiver<Arc<Vec<i16>>>;
+
+/// Ownership settings.
+#[derive(Debug, Clone)]
+pub struct OwnershipSettings {
+    /// How long a silent replica keeps its partitions; also the failover bound
+    /// for a replica that stops answering.
+    pub lease: Duration,
+}
+
+/// Keeps this replica's share of partitions until `shutdown`, publishing the
+/// owned set through `owned`. While the ownership session is down, the set is
+/// empty and the replica claims nothing.
+pub async fn run(
+    pg: Config,
+    schema: SchemaName,
+    settings: OwnershipSettings,
+    owned: watch::Sender<Arc<Vec<i16>>>,
+    reconnect_max: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = Backoff::new(Duration::from_millis(100), reconnect_max);
+    while !shutdown.is_cancelled() {
+        let result = own(&pg, &schema, &settings, &owned, &shutdown).await;
+        owned.send_replace(Arc::new(Vec::new()));
+        match result {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "ownership session lost; claiming nothing until it is back")
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+async fn own(
+    pg: &Config,
+    schema: &SchemaName,
+    settings: &OwnershipSettings,
+    owned: &watch::Sender<Arc<Vec<i16>>>,
+    shutdown: &CancellationToken,
+) -> Result<(), tokio_postgres::Error> {
+    let (client, connection) = pg.connect(NoTls).await?;
+    let mut driver = tokio::spawn(connection);
+    let keys = LockKeys::fetch(&client, schema).await?;
+    let lease_ms = settings.lease.as_millis().max(100);
+    client
+        .batch_execute(&format!(
+            "SET application_name = 'outbox-relay-owner'; SET idle_session_timeout = {lease_ms}"
+        ))
+        .await?;
+
+    // Presence: a random slot nobody else holds.
+    let slot = loop {
+        let candidate: i32 = rand::random::<i32>() & 0x7fff_ffff;
+        let got: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock($1, $2)",
+                &[&keys.presence, &candidate],
+            )
+            .await?
+            .get(0);
+        if got {
+            break candidate;
+        }
+    };
+    let replicas = format!("{}.replicas", schema.quoted());
+    let owners = format!("{}.partition_owners", schema.quoted());
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {replicas} (slot, host, pid) VALUES ($1, $2, $3) \
+                 ON CONFLICT (slot) DO UPDATE SET host = EXCLUDED.host, pid = EXCLUDED.pid, \
+                   started_at = now(), seen_at = now()"
+            ),
+            &[&slot, &hostname(), &(std::process::id() as i32)],
+        )
+        .await?;
+    tracing::info!(slot, "replica registered");
+
+    let tick = settings.lease / 5;
+    let mut mine: Vec<i16> = Vec::new();
+    let mut interval = tokio::time::interval(tick.max(Duration::from_millis(20)));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                // Hand partitions over at once rather than after the lease.
+                let _ = client.execute("SELECT pg_advisory_unlock_all()", &[]).await;
+                let _ = client.execute(&format!("DELETE FROM {replicas} WHERE slot = $1"), &[&slot]).await;
+                return Ok(());
+            }
+            ended = &mut driver => {
+                return match ended {
+                    Ok(Err(e)) => Err(e),
+                    _ => client.simple_query("SELECT 1").await.map(|_| ()),
+                };
+            }
+            _ = interval.tick() => {}
+        }
+        client
+            .execute(
+                &format!("UPDATE {replicas} SET seen_at = now() WHERE slot = $1"),
+                &[&slot],
+            )
+            .await?;
+        let present: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_locks \
+                 WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 2 AND granted",
+                &[&i64::from(keys.presence)],
+            )
+            .await?
+            .get(0);
+        let present = present.max(1) as usize;
+        let share = (PARTITIONS as usize).div_ceil(present);
+        let before = mine.clone();
+
+        while mine.len() > share {
+            let Some(p) = mine.pop() else { break };
+            client
+                .execute(
+                    "SELECT pg_advisory_unlock($1, $2)",
+                    &[&keys.partitions, &i32::from(p)],
+                )
+                .await?;
+        }
+        if mine.len() < share {
+            let mut free: Vec<i16> = (0..PARTITIONS).filter(|p| !mine.contains(p)).collect();
+            free.shuffle(&mut rand::rng());
+            for p in free {
+                if mine.len() >= share {
+                    break;
+                }
+                let got: bool = client
+                    .query_one(
+                        "SELECT pg_try_advisory_lock($1, $2)",
+                        &[&keys.partitions, &i32::from(p)],
+                    )
+                    .await?
+                    .get(0);
+                if got {
+                    mine.push(p);
+                    client
+                        .execute(
+                            &format!(
+                                "INSERT INTO {owners} (partition, slot) VALUES ($1, $2) \
+                                 ON CONFLICT (partition) DO UPDATE SET slot = $2, since = now()"
+                            ),
+                            &[&p, &slot],
+                        )
+                        .await?;
+                }
+            }
+        }
+        if mine != before {
+            mine.sort_unstable();
+            tracing::info!(
+                slot,
+                replicas = present,
+                owned = mine.len(),
+                "partitions rebalanced"
+            );
+            owned.send_replace(Arc::new(mine.clone()));
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "unknown".to_owned())
+}
