@@ -19,7 +19,12 @@ CREATE TABLE replicas (
     host         text        NOT NULL,
     pid          integer     NOT NULL,
     started_at   timestamptz NOT NULL DEFAULT now(),
-    seen_at      timestamptz NOT NULL DEFAULT now()
+    seen_at      timestamptz NOT NULL DEFAULT now(),
+    -- Reported with each heartbeat, for `status`.
+    in_flight         integer     NOT NULL DEFAULT 0,
+    published         bigint      NOT NULL DEFAULT 0,
+    broker_down_since timestamptz,
+    broker_error      text
 );
 
 -- When each partition was taken by its current owner (informational; the

@@ -3,7 +3,8 @@
 
 use std::process::ExitCode;
 
-use crate::config::{Cli, Command, LogFormat, Switch};
+use crate::config::{Cli, Command, DbArgs, DeadLetterAction, LogFormat, Switch};
+use crate::ops;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -28,7 +29,11 @@ pub fn main() -> ExitCode {
         Err(e) => {
             // One line: the error and its causes.
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // A selection the command refuses is a usage error, like clap's.
+            match e.downcast_ref::<ops::OpsError>() {
+                Some(ops::OpsError::Selection(_)) => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -46,6 +51,58 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             println!("schema {} is up to date", db.schema);
         }
         Command::Demo(args) => crate::demo::run(args).await?,
+        Command::Status { db, json } => {
+            let client = connect(&db).await?;
+            let v = ops::status(&client, &db.schema).await?;
+            print_out(&v, json, ops::status_text);
+        }
+        Command::Locate { db, id, json } => {
+            let mut client = connect(&db).await?;
+            let v = ops::locate(&mut client, &db.schema, id).await?;
+            print_out(&v, json, ops::locate_text);
+        }
+        Command::DeadLetters { db, action } => {
+            let mut client = connect(&db).await?;
+            match action {
+                DeadLetterAction::List {
+                    filter,
+                    limit,
+                    json,
+                } => {
+                    let v = ops::dead_letters(&client, &db.schema, &filter, limit).await?;
+                    print_out(&v, json, |v| ops::dead_letters_text(v, false));
+                }
+                DeadLetterAction::Show { id, json } => {
+                    let filter = ops::Filter {
+                        id: Some(id),
+                        ..ops::Filter::default()
+                    };
+                    let v = ops::dead_letters(&client, &db.schema, &filter, 1).await?;
+                    if v.as_array().is_none_or(|a| a.is_empty()) {
+                        anyhow::bail!("no dead letter with message id {id}");
+                    }
+                    print_out(&v[0], json, |v| {
+                        ops::dead_letters_text(&serde_json::json!([v]), true)
+                    });
+                }
+                DeadLetterAction::Retry { filter, yes, json } => {
+                    ops::require_selection(&filter)?;
+                    ops::confirm("return the selected dead letters to the outbox?", yes)?;
+                    let n = ops::retry(&mut client, &db.schema, &filter).await?;
+                    print_out(&serde_json::json!({"retried": n}), json, |_| {
+                        format!("{n} dead letters returned to the outbox\n")
+                    });
+                }
+                DeadLetterAction::Discard { filter, yes, json } => {
+                    ops::require_selection(&filter)?;
+                    ops::confirm("delete the selected dead letters for good?", yes)?;
+                    let n = ops::discard(&client, &db.schema, &filter).await?;
+                    print_out(&serde_json::json!({"discarded": n}), json, |_| {
+                        format!("{n} dead letters discarded\n")
+                    });
+                }
+            }
+        }
         Command::Notify { db, state } => {
             let (client, connection) = db.pg_config()?.connect(tokio_postgres::NoTls).await?;
             tokio::spawn(connection);
@@ -94,5 +151,19 @@ fn init_logging(format: LogFormat) {
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn connect(db: &DbArgs) -> anyhow::Result<tokio_postgres::Client> {
+    let (client, connection) = db.pg_config()?.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+fn print_out(v: &serde_json::Value, json: bool, text: impl Fn(&serde_json::Value) -> String) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    } else {
+        print!("{}", text(v));
     }
 }

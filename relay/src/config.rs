@@ -46,6 +46,36 @@ pub enum Command {
     Migrate(DbArgs),
     /// Show the whole path working against the local Postgres and RabbitMQ.
     Demo(DemoArgs),
+    /// Backlog, retries, dead letters, parked keys, replicas and their
+    /// partitions, and what is holding the relay back.
+    Status {
+        /// Where the outbox lives.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, retry or discard dead-lettered messages.
+    DeadLetters {
+        /// Where the outbox lives.
+        #[command(flatten)]
+        db: DbArgs,
+        /// What to do.
+        #[command(subcommand)]
+        action: DeadLetterAction,
+    },
+    /// Where is message <ID>: pending, in flight, dead-lettered, or gone.
+    Locate {
+        /// Where the outbox lives.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The message id.
+        id: uuid::Uuid,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Switch the insert trigger's NOTIFY on or off (polling still finds rows).
     Notify {
         /// Database to change.
@@ -54,6 +84,55 @@ pub enum Command {
         /// on or off.
         #[arg(value_enum)]
         state: Switch,
+    },
+}
+
+/// `dead-letters` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterAction {
+    /// List dead letters (oldest first).
+    List {
+        /// Which ones.
+        #[command(flatten)]
+        filter: crate::ops::Filter,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter in full (payload size, headers, error).
+    Show {
+        /// The message id.
+        id: uuid::Uuid,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Return dead letters to the outbox in their original order; unparks their keys.
+    Retry {
+        /// Which ones.
+        #[command(flatten)]
+        filter: crate::ops::Filter,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete dead letters for good.
+    Discard {
+        /// Which ones.
+        #[command(flatten)]
+        filter: crate::ops::Filter,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 

@@ -72,6 +72,10 @@ impl Default for Settings {
 /// Counters a caller can read while the relay runs.
 #[derive(Debug, Default)]
 pub struct Stats {
+    /// Rows claimed and not yet settled.
+    pub in_flight: std::sync::atomic::AtomicI64,
+    /// Since when the broker has been failing whole batches, and why.
+    pub broker_down: std::sync::Mutex<Option<(std::time::SystemTime, String)>>,
     /// Messages the broker confirmed and the relay deleted.
     pub published: AtomicU64,
     /// Messages the broker rejected (each attempt counts).
@@ -86,6 +90,31 @@ pub struct Stats {
     /// Batches dropped unpublished because the relay stalled past its hold limit
     /// between claiming and publishing them.
     pub stale_batches: AtomicU64,
+}
+
+impl Stats {
+    /// Records whether the broker answered the last batch.
+    fn note_broker(&self, error: Option<&crate::publish::PublishError>) {
+        let mut down = self.broker_down.lock().unwrap_or_else(|p| p.into_inner());
+        match error {
+            None => *down = None,
+            Some(e) => {
+                let since = down
+                    .as_ref()
+                    .map(|d| d.0)
+                    .unwrap_or_else(std::time::SystemTime::now);
+                *down = Some((since, e.to_string()));
+            }
+        }
+    }
+
+    /// Since when the broker has been down, and the latest error.
+    pub fn broker_down(&self) -> Option<(std::time::SystemTime, String)> {
+        self.broker_down
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 /// A relay for one outbox schema and one broker.
@@ -175,6 +204,7 @@ impl<P: Publisher> Relay<P> {
                 lease: self.settings.lease,
             },
             owned_tx,
+            Arc::clone(&self.stats),
             self.settings.reconnect_max,
             shutdown.clone(),
         ));
@@ -328,7 +358,15 @@ impl<P: Publisher> Worker<P> {
             tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
             return Ok(BatchEnd::Settled);
         }
-        let outcomes = match self.publisher.publish(&batch).await {
+        self.stats
+            .in_flight
+            .fetch_add(batch.len() as i64, Ordering::Relaxed);
+        let published = self.publisher.publish(&batch).await;
+        self.stats
+            .in_flight
+            .fetch_sub(batch.len() as i64, Ordering::Relaxed);
+        self.stats.note_broker(published.as_ref().err());
+        let outcomes = match published {
             Ok(o) => o,
             Err(e) => {
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();

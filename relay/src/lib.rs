@@ -19,6 +19,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod engine;
+pub mod ops;
 pub mod publish;
 pub mod redact;
 pub mod source;

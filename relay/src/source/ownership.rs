@@ -25,7 +25,10 @@ use tokio::sync::watch;
 use tokio_postgres::{Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
 
+use std::sync::atomic::Ordering;
+
 use crate::backoff::Backoff;
+use crate::engine::Stats;
 
 /// Number of virtual partitions; fixed by the schema (migration V2).
 pub const PARTITIONS: i16 = 64;
@@ -79,12 +82,13 @@ pub async fn run(
     schema: SchemaName,
     settings: OwnershipSettings,
     owned: watch::Sender<Arc<Vec<i16>>>,
+    stats: Arc<Stats>,
     reconnect_max: Duration,
     shutdown: CancellationToken,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(100), reconnect_max);
     while !shutdown.is_cancelled() {
-        let result = own(&pg, &schema, &settings, &owned, &shutdown).await;
+        let result = own(&pg, &schema, &settings, &owned, &stats, &shutdown).await;
         owned.send_replace(Arc::new(Vec::new()));
         match result {
             Ok(()) => return,
@@ -104,6 +108,7 @@ async fn own(
     schema: &SchemaName,
     settings: &OwnershipSettings,
     owned: &watch::Sender<Arc<Vec<i16>>>,
+    stats: &Stats,
     shutdown: &CancellationToken,
 ) -> Result<(), tokio_postgres::Error> {
     let (client, connection) = pg.connect(NoTls).await?;
@@ -164,10 +169,19 @@ async fn own(
             }
             _ = interval.tick() => {}
         }
+        let (down_since, down_error) = match stats.broker_down() {
+            Some((since, e)) => (Some(since), Some(e)),
+            None => (None, None),
+        };
+        let in_flight = i32::try_from(stats.in_flight.load(Ordering::Relaxed)).unwrap_or(i32::MAX);
+        let published = i64::try_from(stats.published.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
         client
             .execute(
-                &format!("UPDATE {replicas} SET seen_at = now() WHERE slot = $1"),
-                &[&slot],
+                &format!(
+                    "UPDATE {replicas} SET seen_at = now(), in_flight = $2, published = $3, \
+                     broker_down_since = $4, broker_error = $5 WHERE slot = $1"
+                ),
+                &[&slot, &in_flight, &published, &down_since, &down_error],
             )
             .await?;
         let present: i64 = client
