@@ -308,9 +308,15 @@ pub struct RunArgs {
     /// var, separate several with commas. Applied last, so it overrides the
     /// relay's defaults (SASL, TLS, compression, linger, ...). Values of
     /// password/secret properties are never logged.
-    #[arg(long = "kafka-config", env = "OUTBOX_KAFKA_CONFIG", hide_env_values = true,
-          value_delimiter = ',', value_parser = parse_kafka_property)]
-    pub kafka_config: Vec<KafkaProperty>,
+    // Parsed in into_config, not by clap: clap's error would echo the raw
+    // value, which may be a secret.
+    #[arg(
+        long = "kafka-config",
+        env = "OUTBOX_KAFKA_CONFIG",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub kafka_config: Vec<String>,
     /// Rows per batch. 500 keeps a batch's confirms within tens of milliseconds
     /// while amortizing the claim and delete round trips.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
@@ -433,6 +439,21 @@ impl RunArgs {
             Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url)?,
             None => self.amqp_url.clone(),
         };
+        // Validated whichever broker is chosen, so a typo never waits for the
+        // day someone switches to Kafka.
+        let kafka_properties: Vec<(String, String)> = self
+            .kafka_config
+            .iter()
+            .enumerate()
+            .map(|(i, raw)| {
+                parse_kafka_property(raw)
+                    .map(|p| (p.0, p.1))
+                    .map_err(|reason| ConfigError {
+                        flag: "--kafka-config",
+                        reason: format!("entry {}: {reason}", i + 1),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
         let broker = match self.broker {
             BrokerKind::Amqp => Broker::Amqp(crate::publish::amqp::AmqpSettings {
                 url: amqp_url.expose().to_owned(),
@@ -441,11 +462,7 @@ impl RunArgs {
             }),
             BrokerKind::Kafka => Broker::Kafka(crate::publish::kafka::KafkaSettings {
                 brokers: self.kafka_brokers.clone(),
-                properties: self
-                    .kafka_config
-                    .iter()
-                    .map(|p| (p.0.clone(), p.1.clone()))
-                    .collect(),
+                properties: kafka_properties,
                 message_timeout: self.confirm_timeout,
             }),
         };
@@ -550,10 +567,23 @@ mod kafka_tests {
         let shown = format!("{config:?}");
         assert!(shown.contains("compression.type"), "{shown}");
         assert!(!shown.contains("hunter2"), "{shown}");
-        let err = Cli::try_parse_from(["outbox-relay", "run", "--kafka-config", "novalue"])
-            .map(|_| ())
-            .expect_err("rejected");
-        assert!(err.to_string().contains("--kafka-config"), "{err}");
-        assert!(!err.to_string().contains("novalue"), "{err}");
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from([
+            "outbox-relay",
+            "run",
+            "--kafka-config",
+            "a=b",
+            "--kafka-config",
+            "sasl.password hunter2",
+        ])
+        else {
+            panic!("flags parse");
+        };
+        let err = args.into_config().map(|_| ()).expect_err("rejected");
+        assert_eq!(err.flag, "--kafka-config");
+        assert!(err.to_string().contains("entry 2"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
     }
 }

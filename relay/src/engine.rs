@@ -361,7 +361,7 @@ impl<P: Publisher> Worker<P> {
         self.stats
             .in_flight
             .fetch_add(batch.len() as i64, Ordering::Relaxed);
-        let published = self.publisher.publish(&batch).await;
+        let published = publish_in_waves(self.publisher.as_ref(), &batch).await;
         self.stats
             .in_flight
             .fetch_sub(batch.len() as i64, Ordering::Relaxed);
@@ -445,11 +445,86 @@ struct SettlePlan {
     held: usize,
 }
 
+/// Which wave each message of `batch` goes out in. A key's messages stay in one
+/// wave while they share a lane; a lane change moves the rest of the key to the
+/// next wave. Messages without a key all go in the first.
+fn plan_waves<P: Publisher>(publisher: &P, batch: &[Envelope]) -> Vec<usize> {
+    let mut last: std::collections::HashMap<&str, (usize, usize)> =
+        std::collections::HashMap::new();
+    batch
+        .iter()
+        .enumerate()
+        .map(|(i, env)| {
+            let Some(key) = env.ordering_key.as_deref() else {
+                return 0;
+            };
+            let wave = match last.get(key) {
+                None => 0,
+                Some(&(prev, w)) if publisher.same_lane(&batch[prev], env) => w,
+                Some(&(_, w)) => w + 1,
+            };
+            last.insert(key, (i, wave));
+            wave
+        })
+        .collect()
+}
+
+/// Publishes `batch` wave by wave (usually one wave): a wave goes out only after
+/// the previous one is answered, and a key refused in one wave sends nothing in
+/// later ones. `None` marks a message held back unsent.
+async fn publish_in_waves<P: Publisher>(
+    publisher: &P,
+    batch: &[Envelope],
+) -> Result<Vec<Option<Outcome>>, crate::publish::PublishError> {
+    let waves = plan_waves(publisher, batch);
+    let last_wave = waves.iter().copied().max().unwrap_or(0);
+    if last_wave == 0 {
+        return Ok(publisher
+            .publish(batch)
+            .await?
+            .into_iter()
+            .map(Some)
+            .collect());
+    }
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+    let mut refused: HashSet<&str> = HashSet::new();
+    for wave in 0..=last_wave {
+        let members: Vec<usize> = (0..batch.len())
+            .filter(|&i| waves[i] == wave)
+            .filter(|&i| {
+                batch[i]
+                    .ordering_key
+                    .as_deref()
+                    .is_none_or(|k| !refused.contains(k))
+            })
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        let sub: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
+        let answers = publisher.publish(&sub).await?;
+        for (&i, answer) in members.iter().zip(answers) {
+            if answer.is_err() {
+                if let Some(k) = batch[i].ordering_key.as_deref() {
+                    refused.insert(k);
+                }
+            }
+            outcomes[i] = Some(answer);
+        }
+    }
+    Ok(outcomes)
+}
+
 /// Confirmed rows are deleted, rejected ones get an attempt recorded and a
-/// backoff. Once a row of a key is rejected, the key's later rows in the batch are
-/// left as they are even if confirmed: deleting them would let them overtake the
-/// rejected row for good. They are published again after it (a bounded duplicate).
-fn settle_plan(batch: &[Envelope], outcomes: &[Outcome], settings: &Settings) -> SettlePlan {
+/// backoff. Once a row of a key is rejected, the key's later rows are left as
+/// they are: unsent ones (`None`) wait, and confirmed ones — possible only if the
+/// broker refused one message of a lane and accepted the next — are not deleted
+/// either, so they are published again after the refused one.
+fn settle_plan(
+    batch: &[Envelope],
+    outcomes: &[Option<Outcome>],
+    settings: &Settings,
+) -> SettlePlan {
     let mut plan = SettlePlan::default();
     let mut blocked: HashSet<&str> = HashSet::new();
     for (env, outcome) in batch.iter().zip(outcomes) {
@@ -459,6 +534,10 @@ fn settle_plan(batch: &[Envelope], outcomes: &[Outcome], settings: &Settings) ->
                 continue;
             }
         }
+        let Some(outcome) = outcome else {
+            plan.held += 1;
+            continue;
+        };
         match outcome {
             Ok(()) => plan.delete.push(env.seq),
             Err(rejection) => {
@@ -506,6 +585,48 @@ mod tests {
         }
     }
 
+    fn routed(seq: i64, key: &str, rk: &str) -> Envelope {
+        Envelope {
+            routing_key: rk.into(),
+            ..env(seq, Some(key))
+        }
+    }
+
+    #[test]
+    fn a_lane_change_starts_a_new_wave_for_that_key_only() {
+        let p = crate::publish::memory::MemoryPublisher::new();
+        let batch = vec![
+            routed(1, "a", "x"),
+            routed(2, "b", "x"),
+            routed(3, "a", "x"),
+            routed(4, "a", "y"),
+            env(5, None),
+            routed(6, "a", "y"),
+            routed(7, "a", "x"),
+        ];
+        assert_eq!(plan_waves(&p, &batch), vec![0, 0, 0, 1, 0, 1, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_message_is_never_overtaken_across_lanes() {
+        let p = crate::publish::memory::MemoryPublisher::new();
+        p.reject_destination("poison", Rejection::retryable("no route"));
+        let first = Envelope {
+            destination: "poison".into(),
+            ..env(1, Some("k"))
+        };
+        let batch = vec![first, env(2, Some("k")), env(3, Some("other"))];
+        let outcomes = publish_in_waves(&p, &batch).await.expect("published");
+        assert!(matches!(outcomes[0], Some(Err(_))));
+        assert!(outcomes[1].is_none(), "k's second message must not be sent");
+        assert!(matches!(outcomes[2], Some(Ok(()))));
+        let sent: Vec<i64> = p.published().iter().map(|e| e.seq).collect();
+        assert_eq!(sent, vec![3]);
+        let plan = settle_plan(&batch, &outcomes, &Settings::default());
+        assert_eq!(plan.delete, vec![3]);
+        assert_eq!(plan.held, 1);
+    }
+
     #[test]
     fn a_rejection_holds_back_the_rest_of_its_key_only() {
         let batch = vec![
@@ -516,14 +637,17 @@ mod tests {
             env(5, Some("a")),
             env(6, Some("b")),
         ];
-        let outcomes = vec![
+        let outcomes: Vec<Option<Outcome>> = vec![
             Err(Rejection::retryable("no route")),
             Ok(()),
             Ok(()),
             Err(Rejection::retryable("nack")),
             Ok(()),
             Ok(()),
-        ];
+        ]
+        .into_iter()
+        .map(Some)
+        .collect();
         let plan = settle_plan(&batch, &outcomes, &Settings::default());
         assert_eq!(plan.delete, vec![2, 6]);
         assert_eq!(
@@ -541,9 +665,9 @@ mod tests {
         let plan = settle_plan(
             &[env(1, None), tired, env(3, None)],
             &[
-                Err(Rejection::permanent("too large")),
-                Err(Rejection::retryable("no route")),
-                Err(Rejection::retryable("no route")),
+                Some(Err(Rejection::permanent("too large"))),
+                Some(Err(Rejection::retryable("no route"))),
+                Some(Err(Rejection::retryable("no route"))),
             ],
             &settings,
         );

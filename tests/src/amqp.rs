@@ -80,6 +80,23 @@ pub async fn delete_exchange(name: &str) {
     }
 }
 
+/// Binds `fixture`'s queue to another exchange as well (e.g. after "fixing" a
+/// binding).
+pub async fn bind_fixture_queue(fixture: &Fixture, exchange: &str) {
+    let conn = connect().await.expect("connect to rabbitmq");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_bind(
+        fixture.queue.as_str().into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("bind");
+    let _ = conn.close(200, "ok".into()).await;
+}
+
 impl Fixture {
     /// Declares fresh names and starts consuming.
     pub async fn new() -> Fixture {

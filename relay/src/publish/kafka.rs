@@ -243,6 +243,12 @@ impl Publisher for KafkaPublisher {
             .collect())
     }
 
+    /// One topic is one lane: the idempotent producer fails every later record
+    /// of a partition after a failed one, and a key maps to one partition.
+    fn same_lane(&self, a: &Envelope, b: &Envelope) -> bool {
+        a.destination == b.destination
+    }
+
     async fn ready(&self) -> Result<(), PublishError> {
         let producer = self.producer();
         tokio::task::spawn_blocking(move || {

@@ -114,6 +114,17 @@ pub trait Publisher: Send + Sync + 'static {
         batch: &'a [Envelope],
     ) -> impl Future<Output = Result<Vec<Outcome>, PublishError>> + Send + 'a;
 
+    /// Whether two messages of one key share their fate at the broker: if the
+    /// first is refused, so is the second. The relay sends a key's messages in
+    /// one go only while they share a lane; at a lane change it waits for the
+    /// earlier messages' answers first, so a refused message is never overtaken.
+    ///
+    /// The default (same exchange and routing key) fits AMQP, where routing
+    /// decides returns.
+    fn same_lane(&self, a: &Envelope, b: &Envelope) -> bool {
+        a.destination == b.destination && a.routing_key == b.routing_key
+    }
+
     /// Checks that the broker can be reached, connecting if needed.
     fn ready(&self) -> impl Future<Output = Result<(), PublishError>> + Send + '_;
 

@@ -1,0 +1,315 @@
+//! Poison messages, parking, dead-letter retry/discard, and the operator CLI.
+
+use std::time::Duration;
+
+use outbox_client::{Message, MessageId};
+use outbox_tests::amqp::{self, Fixture};
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
+use tokio::process::Command;
+
+const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+const PATIENCE: Duration = Duration::from_secs(120);
+
+fn settings(park: bool) -> outbox_relay::Settings {
+    outbox_relay::Settings {
+        max_attempts: 3,
+        retry_base: Duration::from_millis(50),
+        retry_max: Duration::from_millis(200),
+        park_on_dead_letter: park,
+        ..fast_settings()
+    }
+}
+
+/// Runs the relay CLI against `db` and returns (exit code, stdout, stderr).
+async fn cli(db: &TestDb, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(RELAY_BIN)
+        .args(args)
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("run cli");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn dead_count(db: &TestDb) -> i64 {
+    db.client
+        .query_one(
+            &format!("SELECT count(*) FROM {}.dead_letters", db.schema.quoted()),
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0)
+}
+
+fn msg(dest: &str, key: &str, n: i32) -> Message {
+    Message::builder(dest)
+        .key(key)
+        .json(&n)
+        .build()
+        .expect("valid")
+}
+
+#[tokio::test]
+async fn poison_message_dead_letters_while_10000_others_flow() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let unbound = outbox_tests::unique("poison");
+    amqp::declare_unbound_exchange(&unbound).await;
+    let relay = InProcessRelay::amqp(&db, settings(true));
+
+    let outbox = db.outbox();
+    let poison = outbox
+        .enqueue(&db.client, &msg(&unbound, "p", 0))
+        .await
+        .expect("enqueue");
+    for chunk in 0..10 {
+        let batch: Vec<Message> = (0..1000)
+            .map(|i| msg(&rabbit.exchange, &format!("k{}", i % 100), chunk * 1000 + i))
+            .collect();
+        outbox
+            .enqueue_batch(&db.client, &batch)
+            .await
+            .expect("enqueue");
+    }
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 10_000 }).await,
+        "others blocked"
+    );
+    assert!(
+        eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await,
+        "poison not dead-lettered"
+    );
+    let (code, out, _) = cli(&db, &["locate", &poison.to_string(), "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "dead_lettered");
+    assert_eq!(v["attempts"], 3);
+    assert!(
+        v["last_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("unroutable"),
+        "{v}"
+    );
+    assert_eq!(db.pending().await, 0);
+    relay.stop().await;
+    amqp::delete_exchange(&unbound).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// A poison message parks only its own key; fixing the binding and retrying it
+/// from the dead letters delivers the key's messages in order.
+#[tokio::test]
+async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let side = outbox_tests::unique("side");
+    amqp::declare_unbound_exchange(&side).await;
+    let relay = InProcessRelay::amqp(&db, settings(true));
+    let outbox = db.outbox();
+
+    // Key "k": its first message goes to an exchange nobody listens on yet.
+    let first = outbox
+        .enqueue(&db.client, &msg(&side, "k", 0))
+        .await
+        .expect("enqueue");
+    let mut later: Vec<MessageId> = Vec::new();
+    for n in 1..=3 {
+        later.push(
+            outbox
+                .enqueue(&db.client, &msg(&rabbit.exchange, "k", n))
+                .await
+                .expect("enqueue"),
+        );
+    }
+    let others: Vec<Message> = (0..50)
+        .map(|i| msg(&rabbit.exchange, &format!("o{i}"), i))
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &others)
+        .await
+        .expect("enqueue");
+
+    assert!(
+        eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await,
+        "not dead-lettered"
+    );
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 50 }).await,
+        "other keys blocked"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ids: Vec<String> = rabbit
+        .deliveries()
+        .iter()
+        .map(|d| d.message_id.clone())
+        .collect();
+    for id in &later {
+        assert!(
+            !ids.contains(&id.to_string()),
+            "parked message {id} overtook the dead letter"
+        );
+    }
+    let (code, out, _) = cli(&db, &["status", "--json"]).await;
+    assert_eq!(code, 0);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(status["dead_letters"], 1);
+    assert_eq!(status["parked_keys"][0]["key"], "k");
+    assert_eq!(status["parked_keys"][0]["waiting"], 3);
+    let (_, human, _) = cli(&db, &["status"]).await;
+    assert!(human.contains("parked key \"k\": 3 waiting"), "{human}");
+
+    // Fix the binding: the test queue now also hears the side exchange.
+    amqp::bind_fixture_queue(&rabbit, &side).await;
+    let (code, out, err) = cli(
+        &db,
+        &["dead-letters", "retry", "--key", "k", "--yes", "--json"],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).expect("json")["retried"],
+        1
+    );
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 54 }).await,
+        "key not unparked"
+    );
+    let order: Vec<String> = rabbit
+        .deliveries()
+        .iter()
+        .map(|d| d.message_id.clone())
+        .filter(|id| *id == first.to_string() || later.iter().any(|l| l.to_string() == *id))
+        .collect();
+    let expected: Vec<String> = std::iter::once(first)
+        .chain(later)
+        .map(|i| i.to_string())
+        .collect();
+    assert_eq!(order, expected, "key k out of order after retry");
+    assert_eq!(dead_count(&db).await, 0);
+    relay.stop().await;
+    amqp::delete_exchange(&side).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn skip_setting_lets_later_messages_pass() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let side = outbox_tests::unique("side");
+    amqp::declare_unbound_exchange(&side).await;
+    let relay = InProcessRelay::amqp(&db, settings(false));
+    let outbox = db.outbox();
+    outbox
+        .enqueue(&db.client, &msg(&side, "k", 0))
+        .await
+        .expect("enqueue");
+    for n in 1..=3 {
+        outbox
+            .enqueue(&db.client, &msg(&rabbit.exchange, "k", n))
+            .await
+            .expect("enqueue");
+    }
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 3 }).await,
+        "skip mode still parks"
+    );
+    assert!(eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await);
+    relay.stop().await;
+    amqp::delete_exchange(&side).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn cli_lists_shows_discards_and_rejects_bad_arguments() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let side = outbox_tests::unique("side");
+    amqp::declare_unbound_exchange(&side).await;
+    let relay = InProcessRelay::amqp(&db, settings(true));
+    let id = db
+        .outbox()
+        .enqueue(&db.client, &msg(&side, "k", 7))
+        .await
+        .expect("enqueue");
+    assert!(eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await);
+    relay.stop().await;
+
+    let (code, out, _) = cli(&db, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(code, 0);
+    let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(list[0]["message_id"], id.to_string());
+    assert_eq!(list[0]["destination"], side);
+    let (code, out, _) = cli(&db, &["dead-letters", "list", "--key", "k"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains(&id.to_string()) && out.contains("unroutable"),
+        "{out}"
+    );
+    let (_, out, _) = cli(&db, &["dead-letters", "list", "--key", "other"]).await;
+    assert!(out.contains("no dead letters match"), "{out}");
+    let (code, out, _) = cli(&db, &["dead-letters", "show", &id.to_string()]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("payload 1 bytes") && out.contains("attempts=3"),
+        "{out}"
+    );
+    let (code, out, _) = cli(&db, &["locate", &id.to_string()]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("dead-lettered"), "{out}");
+
+    // Bad arguments: exit code 2 with a clear message.
+    let (code, _, err) = cli(&db, &["dead-letters", "discard", "--yes"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--all"), "{err}");
+    let (code, _, err) = cli(&db, &["locate", "not-a-uuid"]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("<ID>"), "{err}");
+    let (code, _, err) = cli(&db, &["dead-letters", "list", "--since", "yesterday"]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("--since"), "{err}");
+    // Without a terminal and without --yes, a destructive command refuses.
+    let (code, _, err) = cli(&db, &["dead-letters", "discard", "--all"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("--yes"), "{err}");
+    assert_eq!(dead_count(&db).await, 1);
+
+    let (code, out, _) = cli(
+        &db,
+        &[
+            "dead-letters",
+            "discard",
+            "--id",
+            &id.to_string(),
+            "--yes",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).expect("json")["discarded"],
+        1
+    );
+    let (_, out, _) = cli(&db, &["locate", &id.to_string(), "--json"]).await;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).expect("json")["state"],
+        "unknown"
+    );
+    amqp::delete_exchange(&side).await;
+    db.cleanup().await;
+}
