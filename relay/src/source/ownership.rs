@@ -8,9 +8,9 @@
 //! when it stops answering (Postgres' `idle_session_timeout` ends a session that
 //! misses its heartbeats, e.g. a SIGSTOPped process).
 //!
-//! Each tick a replica counts the replicas present, takes free partitions up to
-//! its fair share `ceil(64 / replicas)`, and releases any beyond it, so
-//! ownership converges as replicas join and leave.
+//! Each tick a replica lists the replicas present, takes free partitions up to
+//! its share (64 / replicas, the lowest slots taking the remainder), and
+//! releases any beyond it, so ownership converges as replicas join and leave.
 //!
 //! Ownership only spreads the work. Correctness does not depend on it: row locks
 //! keep two replicas from publishing one row at the same time, and the claim's
@@ -184,16 +184,20 @@ async fn own(
                 &[&slot, &in_flight, &published, &down_since, &down_error],
             )
             .await?;
-        let present: i64 = client
+        // Everyone present, by slot; targets sum to exactly PARTITIONS, the
+        // lowest slots taking the remainder, so every replica agrees on them.
+        let slots: Vec<i32> = client
             .query_one(
-                "SELECT count(*) FROM pg_locks \
+                "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{}') FROM pg_locks \
                  WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 2 AND granted",
                 &[&i64::from(keys.presence)],
             )
             .await?
             .get(0);
-        let present = present.max(1) as usize;
-        let share = (PARTITIONS as usize).div_ceil(present);
+        let present = slots.len().max(1);
+        let rank = slots.iter().position(|s| *s == slot).unwrap_or(0);
+        let share =
+            PARTITIONS as usize / present + usize::from(rank < PARTITIONS as usize % present);
         let before = mine.clone();
 
         while mine.len() > share {
