@@ -15,4 +15,16 @@ start_tansu
 trap stop_tansu EXIT
 ensure_python_consumers
 
-cargo test --workspace "$@"
+rows="${CARGO_TARGET_DIR:-target}/tmp/correctness"
+rm -rf "$rows"
+status=0
+cargo test --workspace "$@" || status=$?
+
+# The correctness suites leave one row per scenario behind; show them together.
+if compgen -G "$rows/*.row" >/dev/null; then
+  echo
+  echo "correctness summary (dups/bound: duplicates against the scenario's stated bound)"
+  echo "scenario                                     committed  delivered  lost unexpected dups/bound inversions duration"
+  sort "$rows"/*.row
+fi
+exit "$status"

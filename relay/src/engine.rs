@@ -344,9 +344,22 @@ impl<P: Publisher> Worker<P> {
             .queries
             .claim(&tx, self.settings.batch_size, &partitions)
             .await?;
+        #[cfg(feature = "mutants")]
+        let batch = crate::mutants::apply_watermark(batch);
         if batch.is_empty() {
             tx.commit().await?;
             return Ok(BatchEnd::Empty);
+        }
+        #[cfg(feature = "mutants")]
+        if crate::mutants::active() == Some(crate::mutants::Mutant::AckBeforeConfirm) {
+            let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
+            self.queries.delete(&tx, &seqs).await?;
+            tx.commit().await?;
+            let _ = publish_in_waves(self.publisher.as_ref(), &batch).await;
+            self.stats
+                .published
+                .fetch_add(seqs.len() as u64, Ordering::Relaxed);
+            return Ok(BatchEnd::Settled);
         }
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
         // stall) may have lost its rows to another replica by now: Postgres ends
@@ -384,6 +397,8 @@ impl<P: Publisher> Worker<P> {
                 return Err(e.into());
             }
         };
+        #[cfg(feature = "mutants")]
+        crate::mutants::after_ack();
         let plan = settle_plan(&batch, &outcomes, &self.settings);
         self.queries.delete(&tx, &plan.delete).await?;
         self.queries.fail(&tx, &plan.failed).await?;

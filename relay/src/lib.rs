@@ -19,6 +19,8 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod engine;
+#[cfg(feature = "mutants")]
+pub mod mutants;
 pub mod ops;
 pub mod publish;
 pub mod redact;

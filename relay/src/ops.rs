@@ -153,7 +153,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
         .query(
             "SELECT pid, application_name, state, extract(epoch FROM now() - xact_start)::float8 \
              FROM pg_stat_activity \
-             WHERE xact_start < now() - interval '30 seconds' AND pid <> pg_backend_pid() \
+             WHERE xact_start < now() - interval '10 seconds' AND pid <> pg_backend_pid() \
                AND datname = current_database() \
              ORDER BY xact_start LIMIT 5",
             &[],

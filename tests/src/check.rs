@@ -111,6 +111,40 @@ pub fn check(written: &Written, seen: &[Seen]) -> Report {
     report
 }
 
+/// Appends one row of the summary table for `scenario` under `dir` (the suites
+/// pass `env!("CARGO_TARGET_TMPDIR")`); `tests/run.sh` prints the table at the
+/// end of the run. Also prints the row to the test's own output.
+pub fn record(
+    dir: &str,
+    scenario: &str,
+    report: &Report,
+    duration: std::time::Duration,
+    duplicate_bound: Option<usize>,
+) {
+    let row = format!(
+        "{:<44} {:>9} {:>10} {:>5} {:>10} {:>10} {:>10} {:>8.1}s",
+        scenario,
+        report.committed,
+        report.deliveries,
+        report.lost.len(),
+        report.unexpected.len(),
+        match duplicate_bound {
+            Some(b) => format!("{}/{}", report.duplicates, b),
+            None => report.duplicates.to_string(),
+        },
+        report.inversions,
+        duration.as_secs_f64()
+    );
+    println!("{row}");
+    let dir = std::path::Path::new(dir).join("correctness");
+    let _ = std::fs::create_dir_all(&dir);
+    let file: String = scenario
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let _ = std::fs::write(dir.join(format!("{file}.row")), format!("{row}\n"));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,6 +48,11 @@ pub struct Spec {
     pub max_per_tx: usize,
     /// Longest random pause before COMMIT.
     pub max_commit_delay: Duration,
+    /// Percent of transactions held open for `hold` before committing, so rows
+    /// with lower seqs commit after higher ones were published.
+    pub hold_percent: u32,
+    /// How long held transactions stay open.
+    pub hold: Duration,
     /// Outbox destination.
     pub destination: String,
 }
@@ -62,6 +67,8 @@ impl Spec {
             rollback_percent: 10,
             max_per_tx: 5,
             max_commit_delay: Duration::from_millis(3),
+            hold_percent: 0,
+            hold: Duration::from_secs(2),
             destination: destination.to_owned(),
         }
     }
@@ -104,7 +111,11 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
             let key = keys[rng.random_range(0..keys.len())].clone();
             let n = rng.random_range(1..=spec.max_per_tx).min(quota - done);
             let rollback = rng.random_range(0..100) < spec.rollback_percent;
-            let delay = rng.random_range(Duration::ZERO..=spec.max_commit_delay);
+            let delay = if rng.random_range(0..100) < spec.hold_percent {
+                spec.hold
+            } else {
+                rng.random_range(Duration::ZERO..=spec.max_commit_delay)
+            };
             (key, n, rollback, delay)
         };
         let first = next_seq[&key];
@@ -125,34 +136,73 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
                     .expect("valid message")
             })
             .collect();
-        let tx = client.transaction().await.expect("begin");
-        let ids = outbox.enqueue_batch(&tx, &messages).await.expect("enqueue");
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-        if rollback {
-            tx.rollback().await.expect("rollback");
-            out.rolled_back.extend(ids.iter().map(|id| id.0));
-            continue;
-        }
-        match tx.commit().await {
-            Ok(()) => {
+        match one_tx(&mut client, outbox, &messages, delay, rollback).await {
+            TxResult::Committed(ids) => {
                 for (id, tag) in ids.iter().zip(tags) {
                     out.committed.insert(id.0, tag);
                 }
                 next_seq.insert(key, first + n as u64);
                 done += n;
             }
-            Err(_) => {
+            TxResult::RolledBack(ids) => out.rolled_back.extend(ids.iter().map(|id| id.0)),
+            // Nothing was written (the database restarting, say): try again on a
+            // fresh connection.
+            TxResult::FailedBeforeCommit => client = reconnect(config).await,
+            TxResult::CommitFailed(ids) => {
                 // The connection died during COMMIT: the rows may exist. Later
                 // messages of this key must not reuse these seqs.
                 for (id, tag) in ids.iter().zip(tags) {
                     out.indeterminate.insert(id.0, tag);
                 }
                 next_seq.insert(key, first + n as u64);
-                client = crate::db::connect(config).await;
+                client = reconnect(config).await;
             }
         }
     }
     out
+}
+
+enum TxResult {
+    Committed(Vec<outbox_client::MessageId>),
+    RolledBack(Vec<outbox_client::MessageId>),
+    FailedBeforeCommit,
+    CommitFailed(Vec<outbox_client::MessageId>),
+}
+
+async fn one_tx(
+    client: &mut tokio_postgres::Client,
+    outbox: &Outbox,
+    messages: &[Message],
+    delay: Duration,
+    rollback: bool,
+) -> TxResult {
+    let Ok(tx) = client.transaction().await else {
+        return TxResult::FailedBeforeCommit;
+    };
+    let Ok(ids) = outbox.enqueue_batch(&tx, messages).await else {
+        return TxResult::FailedBeforeCommit;
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    if rollback {
+        let _ = tx.rollback().await;
+        return TxResult::RolledBack(ids);
+    }
+    match tx.commit().await {
+        Ok(()) => TxResult::Committed(ids),
+        Err(_) => TxResult::CommitFailed(ids),
+    }
+}
+
+/// Connects, retrying while the database is unreachable (e.g. restarting).
+async fn reconnect(config: &Config) -> tokio_postgres::Client {
+    for _ in 0..600 {
+        if let Ok((client, connection)) = config.connect(tokio_postgres::NoTls).await {
+            tokio::spawn(connection);
+            return client;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("postgres unreachable for a minute")
 }

@@ -10,6 +10,7 @@ use outbox_tests::process::RelayProcess;
 use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
 
+const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
 /// Ceiling on waits for delivery; a healthy run needs a small fraction of it.
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -70,6 +71,7 @@ async fn wire_contract_message_id_headers_and_properties() {
 /// writer), about 10% of transactions rolled back, relay running throughout.
 #[tokio::test]
 async fn concurrent_writers_every_commit_delivered_in_key_order() {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
@@ -95,7 +97,13 @@ async fn concurrent_writers_every_commit_delivered_in_key_order() {
     // Give strays (rolled-back rows, duplicates) a moment to show up.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
-    println!("concurrent writers: {report}");
+    outbox_tests::check::record(
+        TMP,
+        "amqp: no faults, 8 writers x 50 keys",
+        &report,
+        started.elapsed(),
+        Some(0),
+    );
     assert!(report.is_clean(), "{report}");
     assert_eq!(
         report.duplicates, 0,
@@ -342,6 +350,7 @@ async fn notify_switch_and_polling_fallback() {
 /// kill -9 mid-run, restart: nothing lost, duplicates only from in-flight batches.
 #[tokio::test]
 async fn kill_9_mid_run_loses_nothing() {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
@@ -396,7 +405,13 @@ async fn kill_9_mid_run_loses_nothing() {
     assert_eq!(relay.wait().await, Some(0), "SIGTERM exits 0");
 
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
-    println!("kill -9 x{kills}: {report}");
+    outbox_tests::check::record(
+        TMP,
+        &format!("amqp: kill -9 x{kills} with a backlog"),
+        &report,
+        started.elapsed(),
+        Some(kills * batch * pipeline),
+    );
     assert!(report.is_clean(), "{report}");
     let bound = kills * batch * pipeline;
     assert!(
@@ -412,6 +427,7 @@ async fn kill_9_mid_run_loses_nothing() {
 /// next relay publishes nothing twice.
 #[tokio::test]
 async fn sigterm_drains_without_duplicates() {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
@@ -443,7 +459,13 @@ async fn sigterm_drains_without_duplicates() {
     assert_eq!(relay.wait().await, Some(0));
 
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
-    println!("sigterm: {report}");
+    outbox_tests::check::record(
+        TMP,
+        "amqp: SIGTERM mid-run",
+        &report,
+        started.elapsed(),
+        Some(0),
+    );
     assert!(report.is_clean(), "{report}");
     assert_eq!(
         report.duplicates, 0,

@@ -23,6 +23,7 @@ async fn rabbitmqctl(args: &[&str]) {
 #[tokio::test]
 async fn broker_stopped_for_10s_then_everything_is_delivered() {
     outbox_tests::init_logging();
+    let started = std::time::Instant::now();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
     let relay = InProcessRelay::amqp(&db, fast_settings());
@@ -68,6 +69,13 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
     println!(
         "broker outage: {report}; backlog during outage {backlog_during_outage}; failed batches {}",
         relay.stats.batch_failures.load(Ordering::Relaxed) - failures_before
+    );
+    outbox_tests::check::record(
+        env!("CARGO_TARGET_TMPDIR"),
+        "amqp: rabbitmq stopped 10s",
+        &report,
+        started.elapsed(),
+        None,
     );
     assert!(report.is_clean(), "{report}");
     assert!(

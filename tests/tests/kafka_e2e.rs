@@ -13,6 +13,7 @@ use outbox_tests::proxy::{Mode, Proxy};
 use outbox_tests::workload::{self, Spec, Tag};
 use outbox_tests::{eventually, fast_settings, kafka_brokers, seen_kafka, InProcessRelay};
 
+const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
 const PATIENCE: Duration = Duration::from_secs(180);
 
@@ -20,6 +21,7 @@ const PATIENCE: Duration = Duration::from_secs(180);
 /// headers as contracted, one partition per key, per-key order as committed.
 #[tokio::test]
 async fn every_message_keyed_with_headers_in_key_order() {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let brokers = kafka_brokers();
     let kafka = Fixture::new(&brokers, 8).await;
@@ -40,7 +42,13 @@ async fn every_message_keyed_with_headers_in_key_order() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let records = kafka.records();
     let report = check(&written, &seen_kafka(&records));
-    println!("kafka 20k/200 keys: {report}");
+    outbox_tests::check::record(
+        TMP,
+        "kafka: no faults, 20k over 200 keys",
+        &report,
+        started.elapsed(),
+        None,
+    );
     assert!(report.is_clean(), "{report}");
 
     let mut partition_of: HashMap<String, i32> = HashMap::new();
@@ -138,6 +146,7 @@ async fn record_too_large_is_recorded_and_does_not_block() {
 /// kill -9 of a Kafka relay process mid-run: nothing lost.
 #[tokio::test]
 async fn kill_9_mid_run_loses_nothing() {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let brokers = kafka_brokers();
     let kafka = Fixture::new(&brokers, 4).await;
@@ -187,7 +196,13 @@ async fn kill_9_mid_run_loses_nothing() {
         "SIGTERM exits 0 after flushing"
     );
     let report = check(&written, &seen_kafka(&kafka.records()));
-    println!("kafka kill -9 x{kills}: {report}");
+    outbox_tests::check::record(
+        TMP,
+        &format!("kafka: kill -9 x{kills}"),
+        &report,
+        started.elapsed(),
+        None,
+    );
     assert!(report.is_clean(), "{report}");
     kafka.stop().await;
     db.cleanup().await;

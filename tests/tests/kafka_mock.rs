@@ -12,6 +12,7 @@ use outbox_tests::{eventually, fast_settings, seen_kafka, InProcessRelay};
 use rdkafka::mocking::MockCluster;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
+const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const PATIENCE: Duration = Duration::from_secs(120);
 
 /// Runs a 2,000-message workload through a relay producing to `mock`, calling
@@ -20,6 +21,7 @@ async fn run_with_fault<F>(name: &str, props: &[(&str, &str)], fault: F)
 where
     F: AsyncFnOnce(&MockCluster<'static, rdkafka::producer::DefaultProducerContext>),
 {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let mock = MockCluster::new(3).expect("mock cluster");
     let brokers = mock.bootstrap_servers();
@@ -56,7 +58,13 @@ where
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &seen_kafka(&consumer.records()));
-    println!("mock {name}: {report}");
+    outbox_tests::check::record(
+        TMP,
+        &format!("kafka mock: {name}"),
+        &report,
+        started.elapsed(),
+        None,
+    );
     assert!(report.is_clean(), "{name}: {report}");
     relay.stop().await;
     consumer.stop().await;

@@ -13,6 +13,7 @@ use outbox_tests::{fast_settings, kafka_brokers, InProcessRelay};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const MESSAGES: usize = 2_000;
 
 fn consumer_script(name: &str) -> String {
@@ -72,6 +73,7 @@ fn seen(values: &[serde_json::Value]) -> Vec<Seen> {
 
 #[tokio::test]
 async fn python_amqp_consumer_sees_the_contract() {
+    let started = std::time::Instant::now();
     let db = TestDb::new().await;
     let exchange = outbox_tests::unique("py");
     outbox_tests::amqp::declare_unbound_exchange(&exchange).await;
@@ -92,7 +94,13 @@ async fn python_amqp_consumer_sees_the_contract() {
     .await;
     let got = collect(child, lines).await;
     let report = check(&written, &seen(&got));
-    println!("python amqp consumer: {report}");
+    outbox_tests::check::record(
+        TMP,
+        "amqp: python consumer",
+        &report,
+        started.elapsed(),
+        Some(0),
+    );
     assert!(report.is_clean(), "{report}");
     for v in &got {
         assert_eq!(v["delivery_mode"], 2);
@@ -105,6 +113,7 @@ async fn python_amqp_consumer_sees_the_contract() {
 
 #[tokio::test]
 async fn python_kafka_consumer_sees_the_contract() {
+    let started = std::time::Instant::now();
     let db = TestDb::new().await;
     let brokers = kafka_brokers();
     let topic = outbox_tests::unique("py");
@@ -127,7 +136,13 @@ async fn python_kafka_consumer_sees_the_contract() {
     .await;
     let got = collect(child, lines).await;
     let report = check(&written, &seen(&got));
-    println!("python kafka consumer: {report}");
+    outbox_tests::check::record(
+        TMP,
+        "kafka: python consumer",
+        &report,
+        started.elapsed(),
+        None,
+    );
     assert!(report.is_clean(), "{report}");
     for v in &got {
         let payload = base64::engine::general_purpose::STANDARD

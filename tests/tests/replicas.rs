@@ -12,6 +12,7 @@ use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
 use rand::Rng;
 
+const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
 const PATIENCE: Duration = Duration::from_secs(240);
 const BATCH: usize = 200;
@@ -87,6 +88,7 @@ async fn wait_balanced(db: &TestDb, n: usize) -> Result<(), Vec<Vec<i64>>> {
 
 #[tokio::test]
 async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
+    let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
@@ -141,7 +143,13 @@ async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
     let bound = (kills + pauses) * BATCH * PIPELINE;
-    println!("3 replicas, {kills} kills, {pauses} pause: {report} (duplicate bound {bound})");
+    outbox_tests::check::record(
+        TMP,
+        &format!("amqp: 3 replicas, {kills} kills, {pauses} pause"),
+        &report,
+        started.elapsed(),
+        Some(bound),
+    );
     assert!(report.is_clean(), "{report}");
     assert!(
         report.duplicates <= bound,

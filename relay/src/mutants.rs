@@ -1,0 +1,71 @@
+//! Deliberately broken relay behaviours and a crash failpoint, for testing the
+//! correctness checker itself: if the checker passes a relay that does these,
+//! the checker is wrong.
+//!
+//! Compiled only with the `mutants` feature (the test crate turns it on), and
+//! even then inert unless selected by environment variable:
+//!
+//! - `OUTBOX_TEST_MUTANT=ack-before-confirm`: delete and commit the claimed rows,
+//!   then publish, ignoring the broker's answer (loses messages on any failure).
+//! - `OUTBOX_TEST_MUTANT=watermark`: only claim rows above the highest seq seen
+//!   so far (loses rows whose transaction commits late with a lower seq).
+//! - `OUTBOX_TEST_FAILPOINT=crash-after-ack:N`: abort the process once the
+//!   broker has confirmed the Nth batch, before the rows are deleted.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use crate::publish::Envelope;
+
+/// A broken behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutant {
+    /// Settle before the broker confirms.
+    AckBeforeConfirm,
+    /// Poll with an `seq > last_seen` watermark.
+    Watermark,
+}
+
+/// The mutant selected by `OUTBOX_TEST_MUTANT`, if any.
+pub fn active() -> Option<Mutant> {
+    static ACTIVE: OnceLock<Option<Mutant>> = OnceLock::new();
+    *ACTIVE.get_or_init(|| match std::env::var("OUTBOX_TEST_MUTANT").as_deref() {
+        Ok("ack-before-confirm") => Some(Mutant::AckBeforeConfirm),
+        Ok("watermark") => Some(Mutant::Watermark),
+        _ => None,
+    })
+}
+
+static WATERMARK: AtomicI64 = AtomicI64::new(0);
+
+/// Under the watermark mutant: forgets rows at or below the watermark (they
+/// stay in the outbox, never published) and raises it past the rest.
+pub fn apply_watermark(batch: Vec<Envelope>) -> Vec<Envelope> {
+    if active() != Some(Mutant::Watermark) {
+        return batch;
+    }
+    let mark = WATERMARK.load(Ordering::SeqCst);
+    let kept: Vec<Envelope> = batch.into_iter().filter(|e| e.seq > mark).collect();
+    if let Some(max) = kept.iter().map(|e| e.seq).max() {
+        WATERMARK.fetch_max(max, Ordering::SeqCst);
+    }
+    kept
+}
+
+/// Aborts the process if the crash failpoint is due.
+pub fn after_ack() {
+    static BATCHES: AtomicU64 = AtomicU64::new(0);
+    static AT: OnceLock<Option<u64>> = OnceLock::new();
+    let at = *AT.get_or_init(|| {
+        std::env::var("OUTBOX_TEST_FAILPOINT").ok().and_then(|v| {
+            v.strip_prefix("crash-after-ack:")
+                .and_then(|n| n.parse().ok())
+        })
+    });
+    if let Some(at) = at {
+        if BATCHES.fetch_add(1, Ordering::SeqCst) + 1 == at {
+            eprintln!("failpoint crash-after-ack:{at} reached; aborting");
+            std::process::abort();
+        }
+    }
+}
