@@ -181,6 +181,19 @@ fn parse_amqp_url(s: &str) -> Result<SecretUrl, String> {
         .map_err(|e| format!("not an amqp:// or amqps:// URL: {e}"))
 }
 
+/// An HTTP listen address, or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpAddr(pub Option<std::net::SocketAddr>);
+
+fn parse_http_addr(s: &str) -> Result<HttpAddr, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(HttpAddr(None));
+    }
+    s.parse()
+        .map(|a| HttpAddr(Some(a)))
+        .map_err(|e| format!("{e} (use host:port, e.g. 0.0.0.0:9187, or off)"))
+}
+
 fn parse_schema(s: &str) -> Result<SchemaName, String> {
     SchemaName::new(s).map_err(|e| e.to_string())
 }
@@ -363,6 +376,9 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10,
           value_parser = clap::value_parser!(i32).range(1..))]
     pub max_attempts: i32,
+    /// Address for /metrics (Prometheus), /healthz and /readyz; "off" disables.
+    #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9187", value_parser = parse_http_addr)]
+    pub http_addr: HttpAddr,
     /// What later messages of a dead-lettered message's key do: `park` (wait
     /// behind it, keeping order, until it is retried or discarded) or `skip`
     /// (go ahead without it).
@@ -411,6 +427,8 @@ pub struct Config {
     pub broker: Broker,
     /// The relay loop's settings.
     pub settings: Settings,
+    /// Where to serve metrics and health, if anywhere.
+    pub http_addr: Option<std::net::SocketAddr>,
 }
 
 /// A broker with its connection settings.
@@ -467,6 +485,7 @@ impl RunArgs {
             }),
         };
         Ok(Config {
+            http_addr: self.http_addr.0,
             pg: self.db.pg_config()?,
             schema: self.db.schema.clone(),
             broker,

@@ -74,6 +74,10 @@ impl Default for Settings {
 pub struct Stats {
     /// Rows claimed and not yet settled.
     pub in_flight: std::sync::atomic::AtomicI64,
+    /// Whether the last attempt to reach Postgres from a worker succeeded.
+    pub postgres_up: std::sync::atomic::AtomicBool,
+    /// Whether the ownership session is up (the replica can claim).
+    pub owner_up: std::sync::atomic::AtomicBool,
     /// Since when the broker has been failing whole batches, and why.
     pub broker_down: std::sync::Mutex<Option<(std::time::SystemTime, String)>>,
     /// Messages the broker confirmed and the relay deleted.
@@ -106,6 +110,26 @@ impl Stats {
                 *down = Some((since, e.to_string()));
             }
         }
+    }
+
+    /// Why this replica is not ready, or None when it is: Postgres and the broker
+    /// reachable, and the ownership session up.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if !self.postgres_up.load(Ordering::Relaxed) {
+            return Some("postgres unreachable".into());
+        }
+        if let Some((_, e)) = self.broker_down() {
+            return Some(format!("broker unreachable: {e}"));
+        }
+        if !self.owner_up.load(Ordering::Relaxed) {
+            return Some("not yet part of the replica set".into());
+        }
+        None
+    }
+
+    /// Records a broker probe's answer.
+    pub fn note_broker_probe(&self, error: Option<&crate::publish::PublishError>) {
+        self.note_broker(error);
     }
 
     /// Since when the broker has been down, and the latest error.
@@ -208,6 +232,11 @@ impl<P: Publisher> Relay<P> {
             self.settings.reconnect_max,
             shutdown.clone(),
         ));
+        tracker.spawn(probe_broker(
+            Arc::clone(&self.publisher),
+            Arc::clone(&self.stats),
+            shutdown.clone(),
+        ));
         for id in 0..self.settings.pipeline.max(1) {
             let worker = Worker {
                 id,
@@ -267,8 +296,12 @@ impl<P: Publisher> Worker<P> {
         let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         'connect: while !shutdown.is_cancelled() {
             let mut client = match source::connect(&self.pg, self.settings.hold_limit).await {
-                Ok(c) => c,
+                Ok(c) => {
+                    self.stats.postgres_up.store(true, Ordering::Relaxed);
+                    c
+                }
                 Err(e) => {
+                    self.stats.postgres_up.store(false, Ordering::Relaxed);
                     tracing::warn!(worker = self.id, error = %e, "cannot connect to postgres");
                     if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
                         break;
@@ -299,6 +332,7 @@ impl<P: Publisher> Worker<P> {
                     Some(Err(BatchError::Postgres(e))) => {
                         tracing::warn!(worker = self.id, error = %e, "postgres error; batch will be retried");
                         if client.is_closed() {
+                            self.stats.postgres_up.store(false, Ordering::Relaxed);
                             continue 'connect;
                         }
                         if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
@@ -374,7 +408,10 @@ impl<P: Publisher> Worker<P> {
         self.stats
             .in_flight
             .fetch_add(batch.len() as i64, Ordering::Relaxed);
+        let publish_started = std::time::Instant::now();
         let published = publish_in_waves(self.publisher.as_ref(), &batch).await;
+        metrics::histogram!(crate::metrics::PUBLISH)
+            .record(publish_started.elapsed().as_secs_f64());
         self.stats
             .in_flight
             .fetch_sub(batch.len() as i64, Ordering::Relaxed);
@@ -384,6 +421,7 @@ impl<P: Publisher> Worker<P> {
             Err(e) => {
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
                 self.stats.batch_failures.fetch_add(1, Ordering::Relaxed);
+                count_by_destination(&batch, |_| true, "batch_failed");
                 // Recording the reason is a courtesy to operators; if it fails the
                 // rows are released by the rollback all the same.
                 if self
@@ -422,6 +460,7 @@ impl<P: Publisher> Worker<P> {
         self.stats
             .published
             .fetch_add(plan.delete.len() as u64, Ordering::Relaxed);
+        record_settled(&batch, &plan);
         self.stats
             .rejected
             .fetch_add(plan.failed.len() as u64, Ordering::Relaxed);
@@ -448,6 +487,38 @@ impl<P: Publisher> Worker<P> {
             "batch settled"
         );
         Ok(BatchEnd::Settled)
+    }
+}
+
+fn count_by_destination(
+    batch: &[Envelope],
+    pick: impl Fn(&Envelope) -> bool,
+    result: &'static str,
+) {
+    let mut counts: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+    for env in batch.iter().filter(|e| pick(e)) {
+        *counts.entry(env.destination.as_str()).or_default() += 1;
+    }
+    for (destination, n) in counts {
+        metrics::counter!(crate::metrics::MESSAGES, "destination" => destination.to_owned(), "result" => result)
+            .increment(n);
+    }
+}
+
+fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
+    let deleted: HashSet<i64> = plan.delete.iter().copied().collect();
+    let failed: HashSet<i64> = plan.failed.iter().map(|f| f.0).collect();
+    let dead: HashSet<i64> = plan.dead.iter().map(|d| d.0).collect();
+    count_by_destination(batch, |e| deleted.contains(&e.seq), "published");
+    count_by_destination(batch, |e| failed.contains(&e.seq), "rejected");
+    count_by_destination(batch, |e| dead.contains(&e.seq), "dead_lettered");
+    metrics::counter!(crate::metrics::RETRIES).increment(plan.failed.len() as u64);
+    let now = std::time::SystemTime::now();
+    let latency = metrics::histogram!(crate::metrics::COMMIT_TO_CONFIRM);
+    for env in batch.iter().filter(|e| deleted.contains(&e.seq)) {
+        if let Ok(d) = now.duration_since(env.created_at) {
+            latency.record(d.as_secs_f64());
+        }
     }
 }
 
@@ -570,6 +641,29 @@ fn settle_plan(
         }
     }
     plan
+}
+
+/// Checks the broker every 2 s so readiness reflects an outage even while no
+/// batch is in flight to notice it.
+async fn probe_broker<P: Publisher>(
+    publisher: Arc<P>,
+    stats: Arc<Stats>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let answer = tokio::time::timeout(Duration::from_secs(5), publisher.ready()).await;
+        match answer {
+            Ok(Ok(())) => stats.note_broker_probe(None),
+            Ok(Err(e)) => stats.note_broker_probe(Some(&e)),
+            Err(_) => stats.note_broker_probe(Some(&crate::publish::PublishError::msg(
+                "broker did not answer a probe within 5s",
+            ))),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
 }
 
 async fn sleep_or_cancel(d: Duration, shutdown: &CancellationToken) -> bool {

@@ -19,6 +19,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod engine;
+pub mod metrics;
 #[cfg(feature = "mutants")]
 pub mod mutants;
 pub mod ops;

@@ -90,6 +90,8 @@ pub async fn run(
     while !shutdown.is_cancelled() {
         let result = own(&pg, &schema, &settings, &owned, &stats, &shutdown).await;
         owned.send_replace(Arc::new(Vec::new()));
+        stats.owner_up.store(false, Ordering::Relaxed);
+        metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(0.0);
         match result {
             Ok(()) => return,
             Err(e) => {
@@ -148,6 +150,7 @@ async fn own(
         )
         .await?;
     tracing::info!(slot, "replica registered");
+    stats.owner_up.store(true, Ordering::Relaxed);
 
     let tick = settings.lease / 5;
     let mut mine: Vec<i16> = Vec::new();
@@ -237,6 +240,17 @@ async fn own(
                 }
             }
         }
+        let owned_by_anyone: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_locks \
+                 WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 2 AND granted",
+                &[&i64::from(keys.partitions)],
+            )
+            .await?
+            .get(0);
+        metrics::gauge!(crate::metrics::PARTITIONS_UNOWNED)
+            .set((i64::from(PARTITIONS) - owned_by_anyone) as f64);
+        metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(mine.len() as f64);
         if mine != before {
             mine.sort_unstable();
             tracing::info!(
