@@ -119,15 +119,42 @@ impl KafkaPublisher {
         Arc::clone(&self.producer.read().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Replaces the producer after a fatal error; in-flight records of the old
-    /// one have already failed, so their batch is retried by the relay.
-    fn recover_if_fatal(&self, current: &Arc<FutureProducer>) {
-        if let Some((code, reason)) = current.client().fatal_error() {
-            tracing::error!(?code, %reason, "kafka producer failed fatally; creating a new one");
-            match self.settings.client_config().create::<FutureProducer>() {
-                Ok(p) => *self.producer.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(p),
-                Err(e) => tracing::error!(error = %e, "cannot create a new kafka producer"),
+    /// Replaces the producer when it can no longer produce: librdkafka flagged
+    /// a fatal error, or the broker fenced its producer id/epoch (which can
+    /// follow timed-out records). In-flight records of the old producer have
+    /// already failed, so their batch is retried by the relay on the new one.
+    fn recover_if_stuck(&self, current: &Arc<FutureProducer>, error: Option<&KafkaError>) {
+        let fatal = current.client().fatal_error();
+        let fenced = matches!(
+            error.and_then(KafkaError::rdkafka_error_code),
+            Some(
+                RDKafkaErrorCode::ProducerFenced
+                    | RDKafkaErrorCode::InvalidProducerEpoch
+                    | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                    | RDKafkaErrorCode::UnknownProducerId
+                    | RDKafkaErrorCode::InvalidProducerIdMapping
+            )
+        );
+        if fatal.is_none() && !fenced {
+            return;
+        }
+        let mut slot = self.producer.write().unwrap_or_else(|p| p.into_inner());
+        if !Arc::ptr_eq(&slot, current) {
+            return; // another worker already replaced it
+        }
+        tracing::warn!(
+            ?fatal,
+            ?error,
+            "kafka producer can no longer produce; creating a new one"
+        );
+        match self.settings.client_config().create::<FutureProducer>() {
+            Ok(p) => {
+                let old = std::mem::replace(&mut *slot, Arc::new(p));
+                // Dropping a producer waits for its threads; keep that off the
+                // async workers.
+                tokio::task::spawn_blocking(move || drop(old));
             }
+            Err(e) => tracing::error!(error = %e, "cannot create a new kafka producer"),
         }
     }
 }
@@ -211,7 +238,7 @@ impl Publisher for KafkaPublisher {
                     // records already queued still get their reports, but the
                     // batch as a whole is retried.
                     let _ = join_all(pending).await;
-                    self.recover_if_fatal(&producer);
+                    self.recover_if_stuck(&producer, Some(&e));
                     return Err(PublishError::new("kafka: cannot queue record", e));
                 }
             }
@@ -234,7 +261,7 @@ impl Publisher for KafkaPublisher {
             });
         }
         if let Some(e) = batch_error {
-            self.recover_if_fatal(&producer);
+            self.recover_if_stuck(&producer, Some(&e));
             return Err(PublishError::new("kafka: delivery failed", e));
         }
         Ok(outcomes

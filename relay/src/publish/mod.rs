@@ -74,7 +74,7 @@ pub type Outcome = Result<(), Rejection>;
 /// connection dropped, or confirms did not arrive in time. Every message of the
 /// batch is to be retried; none counts toward poisoning.
 #[derive(Debug, thiserror::Error)]
-#[error("{context}")]
+#[error("{context}{}", source.as_ref().map(|s| format!(": {s}")).unwrap_or_default())]
 pub struct PublishError {
     context: String,
     #[source]
