@@ -39,6 +39,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod inbox;
 mod message;
 mod migrate;
 mod schema;
