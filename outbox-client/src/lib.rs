@@ -38,6 +38,7 @@
 //! for the same key concurrently have no defined order between them.
 #![warn(missing_docs)]
 
+pub mod consumer;
 mod error;
 pub mod inbox;
 mod message;
