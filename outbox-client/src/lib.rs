@@ -38,12 +38,15 @@
 //! for the same key concurrently have no defined order between them.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod consumer;
 mod error;
 pub mod inbox;
+pub mod job_lock;
 mod message;
 mod migrate;
 mod schema;
+pub mod send_once;
 
 use tokio_postgres::GenericClient;
 
