@@ -56,6 +56,26 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// A key that identifies a delivery, notification, job or consumer is empty:
+    /// an empty key would make unrelated work look like a duplicate.
+    #[error("{what} is empty")]
+    EmptyKey {
+        /// Which key, e.g. "message id".
+        what: &'static str,
+    },
+    /// A checkpointed batch was committed with a key that does not move the
+    /// job forward; saving it would repeat or loop over rows.
+    #[error(
+        "checkpoint of job {job:?} would not advance: last key {last_key} is not above {position}"
+    )]
+    CheckpointNotAdvancing {
+        /// The job.
+        job: String,
+        /// Its saved position.
+        position: i64,
+        /// The key given to commit.
+        last_key: i64,
+    },
     /// The payload could not be serialized to JSON.
     #[error("payload could not be serialized to json")]
     Serialize(#[source] serde_json::Error),
@@ -85,6 +105,20 @@ impl Error {
         }
     }
 
+    /// Maps a database error from a statement that cannot violate a unique key
+    /// (it uses `ON CONFLICT`): only a missing schema gets its own variant.
+    pub(crate) fn from_db_no_conflict(schema: &SchemaName, e: tokio_postgres::Error) -> Error {
+        match e.code() {
+            Some(c) if *c == SqlState::UNDEFINED_TABLE || *c == SqlState::INVALID_SCHEMA_NAME => {
+                Error::SchemaMissing {
+                    schema: schema.to_string(),
+                    source: e,
+                }
+            }
+            _ => Error::Database(e),
+        }
+    }
+
     /// True for errors caused by the input itself; no SQL was sent for them.
     pub fn is_invalid_input(&self) -> bool {
         matches!(
@@ -93,6 +127,7 @@ impl Error {
                 | Error::InvalidHeaderName { .. }
                 | Error::PayloadTooLarge { .. }
                 | Error::InvalidSchemaName { .. }
+                | Error::EmptyKey { .. }
                 | Error::Serialize(_)
         )
     }

@@ -29,6 +29,15 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Consumers and other duplicate runs
+//!
+//! The relay delivers at least once, so consumers must apply each message once:
+//! [`inbox`] records the message id in the same transaction as the effect, and
+//! [`consumer`] wires it to RabbitMQ and Kafka (features `amqp`, `kafka`). The
+//! same idea covers resent webhooks, cron on several instances
+//! ([`job_lock`]), notifications ([`send_once`]) and restarted long jobs
+//! ([`checkpoint`]); [`defenses`] maps each source of duplicates to its defense.
+//!
 //! # Ordering
 //!
 //! Messages that share a key are published in the order of their outbox `seq`,
@@ -38,10 +47,16 @@
 //! for the same key concurrently have no defined order between them.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
+pub mod consumer;
+pub mod defenses;
 mod error;
+pub mod inbox;
+pub mod job_lock;
 mod message;
 mod migrate;
 mod schema;
+pub mod send_once;
 
 use tokio_postgres::GenericClient;
 

@@ -14,6 +14,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V2__partitions_replicas_dead_letters",
         include_str!("../../migrations/V2__partitions_replicas_dead_letters.sql"),
     ),
+    (
+        "V3__consumer_defenses",
+        include_str!("../../migrations/V3__consumer_defenses.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.
