@@ -29,6 +29,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Features
+//!
+//! - `idempotency`: [`idempotency`], idempotency keys for HTTP endpoints, recorded
+//!   in the same transaction as the request's effect and its outbox messages.
+//!
 //! # Ordering
 //!
 //! Messages that share a key are published in the order of their outbox `seq`,
@@ -39,6 +44,8 @@
 #![warn(missing_docs)]
 
 mod error;
+#[cfg(feature = "idempotency")]
+pub mod idempotency;
 mod message;
 mod migrate;
 mod schema;

@@ -5,10 +5,16 @@ use crate::{Error, SchemaName};
 
 /// The schema's migrations, in order. The files in `migrations/` are the one
 /// source of the schema; they are embedded here so an app can migrate at start-up.
-const MIGRATIONS: &[(&str, &str)] = &[(
-    "V1__create_outbox",
-    include_str!("../../migrations/V1__create_outbox.sql"),
-)];
+const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "V1__create_outbox",
+        include_str!("../../migrations/V1__create_outbox.sql"),
+    ),
+    (
+        "V4__idempotency",
+        include_str!("../../migrations/V4__idempotency.sql"),
+    ),
+];
 
 /// Creates `schema` if needed and applies every pending migration to it.
 ///
