@@ -33,6 +33,8 @@
 //!
 //! - `idempotency`: [`idempotency`], idempotency keys for HTTP endpoints, recorded
 //!   in the same transaction as the request's effect and its outbox messages.
+//! - `axum`: the `idempotency::axum` extractor and response helper (implies
+//!   `idempotency`).
 //!
 //! # Ordering
 //!

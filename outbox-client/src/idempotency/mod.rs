@@ -43,6 +43,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With the `axum` feature, [`axum`] adds an extractor that reads and checks
+//! the header and a helper that turns all of this into a response.
+//!
 //! # Why the record shares the effect's transaction
 //!
 //! Written before the effect in a transaction of its own, the record survives
@@ -125,6 +128,9 @@
 
 mod error;
 mod key;
+
+#[cfg(feature = "axum")]
+pub mod axum;
 
 use std::future::Future;
 use std::pin::Pin;
