@@ -1057,3 +1057,27 @@ async fn credits_story_grants_once_and_the_retry_gets_the_original_response() {
     server.abort();
     db.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_huge_ttl_is_capped_rather_than_overflowing_the_timestamp() {
+    let mut db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone()).ttl(Duration::MAX);
+    let outcome = run_once(&idempotency, &mut db.client, &table, &key("forever"), "x").await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    let years: f64 = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT extract(epoch FROM expires_at - created_at)::float8 / (365.25 * 86400) \
+                 FROM {}.idempotency_keys",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("select")
+        .get(0);
+    assert!((99.0..=101.0).contains(&years), "{years} years");
+    db.cleanup().await;
+}

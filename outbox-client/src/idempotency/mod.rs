@@ -43,8 +43,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! With the `axum` feature, [`axum`] adds an extractor that reads and checks
-//! the header and a helper that turns all of this into a response.
+//! With the `axum` feature, the `axum` submodule adds an extractor that reads
+//! and checks the header and a helper that turns all of this into a response.
 //!
 //! # Why the record shares the effect's transaction
 //!
@@ -146,6 +146,9 @@ use crate::SchemaName;
 
 /// Default lifetime of a record: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Longest record lifetime honoured: about a century; longer ones are capped.
+const MAX_TTL_MS: i64 = 100 * 366 * 24 * 60 * 60 * 1000;
 
 /// Default `Retry-After` for a request whose key is in progress: 1 second, about
 /// as long as an ordinary handler runs.
@@ -365,7 +368,8 @@ impl Idempotency {
     }
 
     /// How long a record is kept after its request began (default
-    /// [`DEFAULT_TTL`]). A key reused after this runs again.
+    /// [`DEFAULT_TTL`], capped at a century). A key reused after this runs
+    /// again.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
@@ -450,7 +454,11 @@ impl Idempotency {
                 retry_after: self.retry_after,
             });
         }
-        let ttl_ms = i64::try_from(self.ttl.as_millis()).unwrap_or(i64::MAX);
+        // Postgres intervals end near 178 million years; a century is "forever"
+        // for a key and keeps now() + ttl representable.
+        let ttl_ms = i64::try_from(self.ttl.as_millis())
+            .unwrap_or(i64::MAX)
+            .min(MAX_TTL_MS);
         // With the lock held no other transaction has an uncommitted record for
         // this key, so the insert does not wait. The loop covers a record that
         // expires and is cleaned up between the two statements.
