@@ -38,6 +38,13 @@
 //! ([`job_lock`]), notifications ([`send_once`]) and restarted long jobs
 //! ([`checkpoint`]); [`defenses`] maps each source of duplicates to its defense.
 //!
+//! # Features
+//!
+//! - `idempotency`: [`idempotency`], idempotency keys for HTTP endpoints, recorded
+//!   in the same transaction as the request's effect and its outbox messages.
+//! - `axum`: the `idempotency::axum` extractor and response helper (implies
+//!   `idempotency`).
+//!
 //! # Ordering
 //!
 //! Messages that share a key are published in the order of their outbox `seq`,
@@ -51,6 +58,8 @@ pub mod checkpoint;
 pub mod consumer;
 pub mod defenses;
 mod error;
+#[cfg(feature = "idempotency")]
+pub mod idempotency;
 pub mod inbox;
 pub mod job_lock;
 mod message;

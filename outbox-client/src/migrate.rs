@@ -18,6 +18,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V3__consumer_defenses",
         include_str!("../../migrations/V3__consumer_defenses.sql"),
     ),
+    (
+        "V4__idempotency",
+        include_str!("../../migrations/V4__idempotency.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.

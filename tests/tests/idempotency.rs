@@ -1,0 +1,1083 @@
+//! Idempotency keys against a real Postgres: double clicks, retries after a
+//! timeout, mismatched reuse, crashes, outbox rows, expiry, and the credits
+//! example's story.
+//!
+//! The HTTP tests run a small axum service in-process whose handler writes an
+//! effect row and an outbox message in the request's transaction. A script in
+//! the service state makes the next request fail, panic or hold until the test
+//! releases it, so overlaps are arranged by the test rather than hoped for
+//! with sleeps.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use outbox_client::idempotency::axum::{IdempotentRequest, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use outbox_client::idempotency::{
+    Begin, Fingerprint, Idempotency, IdempotencyKey, Outcome, RunError, StoredResponse,
+    WhenInProgress,
+};
+use outbox_client::{Message, Outbox};
+use outbox_tests::db::{connect, TestDb};
+use outbox_tests::eventually;
+use tokio::sync::{mpsc, Semaphore};
+
+#[allow(dead_code)] // its main() and the parts only main() uses
+#[path = "../../outbox-client/examples/credits.rs"]
+mod credits;
+
+/// Ceiling on any wait; a healthy run needs a small fraction of it.
+const PATIENCE: Duration = Duration::from_secs(60);
+const SCOPE: &str = "tenant:t1 POST /effects";
+
+/// What the handler does on its next call, after writing its effect and
+/// outbox message.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    /// Return an error: the request must roll back.
+    Fail,
+    /// Panic: the request must roll back.
+    Panic,
+    /// Signal `entered`, then wait for one `release` permit.
+    Hold,
+}
+
+#[derive(Clone)]
+struct Svc {
+    pool: deadpool_postgres::Pool,
+    idempotency: Idempotency,
+    outbox: Outbox,
+    effects: String,
+    script: Arc<Mutex<VecDeque<Step>>>,
+    entered: mpsc::UnboundedSender<()>,
+    release: Arc<Semaphore>,
+}
+
+/// A running test service on a fresh schema.
+struct Service {
+    db: TestDb,
+    base: String,
+    script: Arc<Mutex<VecDeque<Step>>>,
+    entered: mpsc::UnboundedReceiver<()>,
+    release: Arc<Semaphore>,
+    http: reqwest::Client,
+    app_name: String,
+}
+
+impl Service {
+    async fn start(when: WhenInProgress) -> Service {
+        let db = TestDb::new().await;
+        db.client
+            .batch_execute(&format!(
+                "CREATE TABLE {}.effects (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+                 amount bigint NOT NULL)",
+                db.schema.quoted()
+            ))
+            .await
+            .expect("create effects");
+        // Tagging the pool's sessions lets a test find them in pg_stat_activity
+        // while other tests run in parallel.
+        let app_name = db.schema.as_str().to_owned();
+        let mut config = db.config.clone();
+        config.application_name(&app_name);
+        let pool = credits::pool(config).expect("pool");
+        let script = Arc::new(Mutex::new(VecDeque::new()));
+        let release = Arc::new(Semaphore::new(0));
+        let (entered_tx, entered) = mpsc::unbounded_channel();
+        let svc = Svc {
+            pool,
+            idempotency: Idempotency::with_schema(db.schema.clone()).when_in_progress(when),
+            outbox: db.outbox(),
+            effects: format!("{}.effects", db.schema.quoted()),
+            script: script.clone(),
+            entered: entered_tx,
+            release: release.clone(),
+        };
+        let router = Router::new()
+            .route("/effects", post(effect))
+            .with_state(svc);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        Service {
+            db,
+            base,
+            script,
+            entered,
+            release,
+            http: reqwest::Client::builder()
+                .timeout(PATIENCE)
+                .build()
+                .expect("http client"),
+            app_name,
+        }
+    }
+
+    fn then(&self, step: Step) {
+        self.script.lock().expect("script").push_back(step);
+    }
+
+    fn post(&self, key: Option<&str>, amount: i64) -> reqwest::RequestBuilder {
+        let request = self
+            .http
+            .post(format!("{}/effects", self.base))
+            .header("content-type", "application/json")
+            .body(format!("{{\"amount\":{amount}}}"));
+        match key {
+            Some(key) => request.header(IDEMPOTENCY_KEY.as_str(), key),
+            None => request,
+        }
+    }
+
+    async fn send(&self, key: Option<&str>, amount: i64) -> Reply {
+        Reply::from(self.post(key, amount).send().await.expect("response")).await
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        self.db
+            .client
+            .query_one(
+                &format!("SELECT count(*) FROM {}.{table}", self.db.schema.quoted()),
+                &[],
+            )
+            .await
+            .expect("count")
+            .get(0)
+    }
+
+    async fn effects(&self) -> i64 {
+        self.count("effects").await
+    }
+
+    async fn outbox_rows(&self) -> i64 {
+        self.db.pending().await
+    }
+
+    async fn entered(&mut self) {
+        tokio::time::timeout(PATIENCE, self.entered.recv())
+            .await
+            .expect("handler entered within the ceiling")
+            .expect("service alive");
+    }
+}
+
+/// The parts of a response a client would compare.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Reply {
+    status: u16,
+    replayed: bool,
+    content_type: Option<String>,
+    location: Option<String>,
+    not_stored: Option<String>,
+    retry_after: Option<String>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    async fn from(response: reqwest::Response) -> Reply {
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .map(|v| v.to_str().expect("ascii header").to_owned())
+        };
+        Reply {
+            status: response.status().as_u16(),
+            replayed: header(IDEMPOTENT_REPLAYED.as_str()).as_deref() == Some("true"),
+            content_type: header("content-type"),
+            location: header("location"),
+            not_stored: header("x-not-stored"),
+            retry_after: header("retry-after"),
+            body: response.bytes().await.expect("body").to_vec(),
+        }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct EffectRequest {
+    amount: i64,
+}
+
+/// Writes an effect row and an outbox message, then follows the script.
+async fn effect(State(svc): State<Svc>, request: IdempotentRequest) -> Response {
+    let Ok(EffectRequest { amount }) = serde_json::from_slice(request.body()) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let step = svc.script.lock().expect("script").pop_front();
+    // Spawned, as a real service would, so that a client hanging up does not
+    // cancel the request: the timeout tests rely on the first attempt finishing.
+    let task = tokio::spawn(async move {
+        let mut client = svc.pool.get().await.expect("pooled connection");
+        let Svc {
+            idempotency,
+            outbox,
+            effects,
+            entered,
+            release,
+            ..
+        } = svc;
+        idempotency
+            .respond(&mut client, SCOPE, &request, move |tx| {
+                Box::pin(async move {
+                    let id: i64 = tx
+                        .query_one(
+                            &format!("INSERT INTO {effects} (amount) VALUES ($1) RETURNING id"),
+                            &[&amount],
+                        )
+                        .await
+                        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?
+                        .get(0);
+                    outbox
+                        .enqueue(
+                            tx,
+                            &Message::builder("effects")
+                                .key(format!("effect-{id}"))
+                                .json(&serde_json::json!({ "effect": id, "amount": amount }))
+                                .build()
+                                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?,
+                        )
+                        .await
+                        .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                    match step {
+                        Some(Step::Fail) => return Err(StatusCode::INTERNAL_SERVER_ERROR),
+                        Some(Step::Panic) => panic!("handler crashed mid-request"),
+                        Some(Step::Hold) => {
+                            let _ = entered.send(());
+                            release.acquire().await.expect("semaphore open").forget();
+                        }
+                        None => {}
+                    }
+                    Ok((
+                        StatusCode::CREATED,
+                        [
+                            ("location", format!("/effects/{id}")),
+                            ("x-not-stored", "first-response-only".to_owned()),
+                        ],
+                        Json(serde_json::json!({ "effect": id, "amount": amount })),
+                    ))
+                })
+            })
+            .await
+    });
+    task.await
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+fn new_key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+#[tokio::test]
+async fn double_click_in_reject_mode_answers_409_and_applies_once() {
+    let mut svc = Service::start(WhenInProgress::Reject).await;
+    let key = new_key();
+    svc.then(Step::Hold);
+    let first = tokio::spawn(svc.post(Some(&key), 5).send());
+    svc.entered().await;
+
+    let second = svc.send(Some(&key), 5).await;
+    assert_eq!(second.status, 409, "{}", second.text());
+    assert_eq!(second.retry_after.as_deref(), Some("1"));
+    assert!(!second.replayed);
+
+    svc.release.add_permits(1);
+    let first = Reply::from(first.await.expect("join").expect("response")).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.replayed);
+    assert_eq!(svc.effects().await, 1);
+    assert_eq!(svc.outbox_rows().await, 1);
+
+    // Once the first has committed, the same click replays it.
+    let third = svc.send(Some(&key), 5).await;
+    assert_eq!((third.status, third.replayed), (201, true));
+    assert_eq!(third.body, first.body);
+    assert_eq!(svc.effects().await, 1);
+    svc.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn double_click_in_wait_mode_gets_the_first_response() {
+    let mut svc = Service::start(WhenInProgress::Wait(PATIENCE)).await;
+    let key = new_key();
+    svc.then(Step::Hold);
+    let first = tokio::spawn(svc.post(Some(&key), 7).send());
+    svc.entered().await;
+    let second = tokio::spawn(svc.post(Some(&key), 7).send());
+
+    // Release the first only once the second has tried the key's lock and is
+    // polling: its session sits idle in a transaction whose last statement was
+    // the lock attempt (had it got the lock, it would have moved on).
+    let probe = &svc.db.client;
+    let app_name = svc.app_name.clone();
+    assert!(
+        eventually(PATIENCE, || async {
+            probe
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                     AND state = 'idle in transaction' \
+                     AND query LIKE 'SELECT pg_try_advisory_xact_lock%'",
+                    &[&app_name],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get::<_, i64>(0)
+                == 1
+        })
+        .await,
+        "second request never started waiting"
+    );
+    assert!(
+        !second.is_finished(),
+        "second answered while the first held the key"
+    );
+
+    svc.release.add_permits(1);
+    let first = Reply::from(first.await.expect("join").expect("response")).await;
+    let second = Reply::from(second.await.expect("join").expect("response")).await;
+    assert_eq!(
+        (first.status, first.replayed),
+        (201, false),
+        "{}",
+        first.text()
+    );
+    assert_eq!(
+        (second.status, second.replayed),
+        (201, true),
+        "{}",
+        second.text()
+    );
+    assert_eq!(second.body, first.body);
+    assert_eq!(svc.effects().await, 1);
+    assert_eq!(svc.outbox_rows().await, 1);
+    svc.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn retry_after_a_client_timeout_replays_the_committed_response() {
+    let mut svc = Service::start(WhenInProgress::Reject).await;
+    let key = new_key();
+    svc.then(Step::Hold);
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .expect("client");
+    let timed_out = impatient
+        .post(format!("{}/effects", svc.base))
+        .header(IDEMPOTENCY_KEY.as_str(), &key)
+        .body("{\"amount\":100}")
+        .send()
+        .await;
+    // The handler holds until released, so the client can only time out.
+    assert!(
+        timed_out.as_ref().is_err_and(|e| e.is_timeout()),
+        "{timed_out:?}"
+    );
+    svc.entered().await;
+    svc.release.add_permits(1);
+    // The server finishes the abandoned request and commits it.
+    assert!(eventually(PATIENCE, || async { svc.effects().await == 1 }).await);
+
+    let retry = svc.send(Some(&key), 100).await;
+    assert_eq!(
+        (retry.status, retry.replayed),
+        (201, true),
+        "{}",
+        retry.text()
+    );
+    let (effect_id, stored_body): (i64, Vec<u8>) = {
+        let row = svc
+            .db
+            .client
+            .query_one(
+                &format!(
+                    "SELECT (SELECT id FROM {s}.effects), response_body \
+                     FROM {s}.idempotency_keys WHERE key = $1",
+                    s = svc.db.schema.quoted()
+                ),
+                &[&key],
+            )
+            .await
+            .expect("record");
+        (row.get(0), row.get(1))
+    };
+    // The body the first attempt produced and the client never saw.
+    assert_eq!(retry.body, stored_body);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&retry.body).expect("json"),
+        serde_json::json!({ "effect": effect_id, "amount": 100 })
+    );
+    assert_eq!(retry.location, Some(format!("/effects/{effect_id}")));
+    assert_eq!(svc.effects().await, 1);
+    assert_eq!(svc.outbox_rows().await, 1);
+    svc.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn same_key_with_another_body_is_422_and_applies_nothing() {
+    let svc = Service::start(WhenInProgress::Reject).await;
+    let key = new_key();
+    let first = svc.send(Some(&key), 1).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+
+    let other = svc.send(Some(&key), 2).await;
+    assert_eq!(other.status, 422, "{}", other.text());
+    assert!(
+        other.text().contains("different request"),
+        "{}",
+        other.text()
+    );
+    assert_eq!(svc.effects().await, 1);
+    assert_eq!(svc.outbox_rows().await, 1);
+    let amounts: Vec<i64> = svc
+        .db
+        .client
+        .query(
+            &format!("SELECT amount FROM {}.effects", svc.db.schema.quoted()),
+            &[],
+        )
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(amounts, [1]);
+
+    // The original request with the key still replays.
+    let again = svc.send(Some(&key), 1).await;
+    assert_eq!(
+        (again.status, again.replayed, again.body),
+        (201, true, first.body)
+    );
+    svc.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn missing_or_malformed_key_is_400_and_applies_nothing() {
+    let svc = Service::start(WhenInProgress::Reject).await;
+    let missing = svc.send(None, 1).await;
+    assert_eq!(missing.status, 400);
+    assert!(
+        missing.text().contains("missing Idempotency-Key"),
+        "{}",
+        missing.text()
+    );
+    for bad in ["has space", &"k".repeat(256)] {
+        let reply = svc.send(Some(bad), 1).await;
+        assert_eq!(reply.status, 400, "{bad:?}");
+        assert!(
+            reply.text().contains("invalid Idempotency-Key"),
+            "{}",
+            reply.text()
+        );
+    }
+    let twice = svc
+        .post(Some("a"), 1)
+        .header(IDEMPOTENCY_KEY.as_str(), "b")
+        .send()
+        .await
+        .expect("response");
+    assert_eq!(twice.status(), 400);
+    // The longest valid key works.
+    let longest = svc.send(Some(&"k".repeat(255)), 1).await;
+    assert_eq!(longest.status, 201, "{}", longest.text());
+    assert_eq!(svc.effects().await, 1);
+    svc.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn handler_error_or_panic_rolls_back_and_the_retry_runs() {
+    let svc = Service::start(WhenInProgress::Reject).await;
+    for step in [Step::Fail, Step::Panic] {
+        let key = new_key();
+        let before = svc.effects().await;
+        svc.then(step);
+        let failed = svc.send(Some(&key), 3).await;
+        assert_eq!(failed.status, 500, "{step:?}");
+        // The effect and the outbox message written before the failure are gone.
+        assert_eq!(svc.effects().await, before, "{step:?}");
+        assert_eq!(svc.outbox_rows().await, before, "{step:?}");
+
+        // The key is not stuck. A rollback that the crashed request queued may
+        // still be on its way to the server; until then the key answers 409.
+        let mut retry = svc.send(Some(&key), 3).await;
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while retry.status == 409 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            retry = svc.send(Some(&key), 3).await;
+        }
+        assert_eq!(
+            (retry.status, retry.replayed),
+            (201, false),
+            "{step:?}: {}",
+            retry.text()
+        );
+        assert_eq!(svc.effects().await, before + 1, "{step:?}");
+        assert_eq!(svc.outbox_rows().await, before + 1, "{step:?}");
+    }
+    svc.db.cleanup().await;
+}
+
+#[tokio::test]
+async fn five_retries_leave_exactly_one_effect_and_one_outbox_row() {
+    let svc = Service::start(WhenInProgress::Reject).await;
+    let key = new_key();
+    let first = svc.send(Some(&key), 42).await;
+    assert_eq!(
+        (first.status, first.replayed),
+        (201, false),
+        "{}",
+        first.text()
+    );
+    assert_eq!(first.not_stored.as_deref(), Some("first-response-only"));
+    for _ in 0..5 {
+        let retry = svc.send(Some(&key), 42).await;
+        assert_eq!(retry.status, first.status);
+        assert!(retry.replayed);
+        assert_eq!(retry.body, first.body, "byte for byte");
+        assert_eq!(retry.content_type, first.content_type);
+        assert_eq!(retry.location, first.location);
+        // Only the selected headers are stored.
+        assert_eq!(retry.not_stored, None);
+    }
+    assert_eq!(svc.effects().await, 1);
+    assert_eq!(svc.outbox_rows().await, 1);
+    // And a new key is a new operation.
+    let other = svc.send(Some(&new_key()), 42).await;
+    assert_eq!((other.status, other.replayed), (201, false));
+    assert_eq!(svc.outbox_rows().await, 2);
+    svc.db.cleanup().await;
+}
+
+// ---- core API, on raw connections ----
+
+fn fp(body: &str) -> Fingerprint {
+    Fingerprint::new("POST", "/effects", body.as_bytes())
+}
+
+fn key(k: &str) -> IdempotencyKey {
+    IdempotencyKey::new(k).expect("valid key")
+}
+
+async fn effects_table(db: &TestDb) -> String {
+    let t = format!("{}.effects", db.schema.quoted());
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS {t} (id bigint GENERATED ALWAYS AS IDENTITY, note text)"
+        ))
+        .await
+        .expect("create");
+    t
+}
+
+async fn count(db: &TestDb, table: &str) -> i64 {
+    db.client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await
+        .expect("count")
+        .get(0)
+}
+
+/// Runs a request that writes one effect row and answers 201 with `body`.
+async fn run_once(
+    idempotency: &Idempotency,
+    client: &mut tokio_postgres::Client,
+    table: &str,
+    k: &IdempotencyKey,
+    body: &str,
+) -> Outcome {
+    let table = table.to_owned();
+    let body = body.to_owned();
+    idempotency
+        .run(client, SCOPE, k, &fp(&body), move |tx| {
+            Box::pin(async move {
+                tx.execute(&format!("INSERT INTO {table} (note) VALUES ($1)"), &[&body])
+                    .await?;
+                Ok::<_, tokio_postgres::Error>(StoredResponse::new(
+                    201,
+                    vec![("content-type".into(), b"text/plain".to_vec())],
+                    body.into_bytes(),
+                ))
+            })
+        })
+        .await
+        .expect("run")
+}
+
+#[tokio::test]
+async fn concurrent_begin_never_blocks_and_never_double_applies() {
+    let db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone());
+    let k = key("k1");
+    let mut a = connect(&db.config).await;
+    let mut b = connect(&db.config).await;
+
+    let tx_a = a.transaction().await.expect("begin a");
+    let Begin::New(pending) = idempotency
+        .begin(&tx_a, SCOPE, &k, &fp("x"))
+        .await
+        .expect("begin")
+    else {
+        panic!("first begin is not New");
+    };
+    tx_a.execute(&format!("INSERT INTO {table} (note) VALUES ('a')"), &[])
+        .await
+        .expect("effect");
+
+    // A holds the key uncommitted; B must answer at once, not queue behind A's
+    // row. The ceiling only turns a hang into a failure.
+    let tx_b = b.transaction().await.expect("begin b");
+    let answer = tokio::time::timeout(PATIENCE, idempotency.begin(&tx_b, SCOPE, &k, &fp("x")))
+        .await
+        .expect("begin on an in-progress key must not block")
+        .expect("begin");
+    assert!(
+        matches!(answer, Begin::InProgress { retry_after } if retry_after == Duration::from_secs(1)),
+        "{answer:?}"
+    );
+    // B's transaction is still usable: InProgress wrote nothing and broke nothing.
+    tx_b.execute("SELECT 1", &[]).await.expect("tx b usable");
+    tx_b.rollback().await.expect("rollback b");
+
+    idempotency
+        .complete(
+            &tx_a,
+            pending,
+            &StoredResponse::new(201, vec![], b"a".to_vec()),
+        )
+        .await
+        .expect("complete");
+    tx_a.commit().await.expect("commit a");
+
+    let outcome = run_once(&idempotency, &mut b, &table, &k, "x").await;
+    assert_eq!(
+        outcome,
+        Outcome::Replayed(StoredResponse::new(201, vec![], b"a".to_vec()))
+    );
+    assert_eq!(count(&db, &table).await, 1);
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn waiter_runs_the_request_when_the_holder_rolls_back() {
+    let db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let waiting = Idempotency::with_schema(db.schema.clone())
+        .when_in_progress(WhenInProgress::Wait(PATIENCE));
+    let k = key("k2");
+    let mut a = connect(&db.config).await;
+    let mut b = connect(&db.config).await;
+
+    let tx_a = a.transaction().await.expect("begin a");
+    let begun = waiting
+        .begin(&tx_a, SCOPE, &k, &fp("x"))
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::New(_)));
+    tx_a.execute(&format!("INSERT INTO {table} (note) VALUES ('a')"), &[])
+        .await
+        .expect("effect");
+
+    let waiter = {
+        let waiting = waiting.clone();
+        let table = table.clone();
+        let k = k.clone();
+        tokio::spawn(async move { run_once(&waiting, &mut b, &table, &k, "x").await })
+    };
+    // A crash mid-handler: A's transaction ends without completing.
+    tx_a.rollback().await.expect("rollback a");
+    let outcome = tokio::time::timeout(PATIENCE, waiter)
+        .await
+        .expect("waiter finished within the ceiling")
+        .expect("join");
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    let notes: Vec<String> = db
+        .client
+        .query(&format!("SELECT note FROM {table}"), &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(notes, ["x"], "only the waiter's effect committed");
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_crashed_process_leaves_no_stuck_key() {
+    let db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone());
+    let k = key("k3");
+    let (mut crashing, connection) = db
+        .config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let connection = tokio::spawn(connection);
+
+    let tx = crashing.transaction().await.expect("begin");
+    assert!(matches!(
+        idempotency
+            .begin(&tx, SCOPE, &k, &fp("x"))
+            .await
+            .expect("begin"),
+        Begin::New(_)
+    ));
+    tx.execute(&format!("INSERT INTO {table} (note) VALUES ('lost')"), &[])
+        .await
+        .expect("effect");
+    std::mem::forget(tx); // no ROLLBACK from the client: the process "dies"
+                          // The socket closes as a dying process's would; the server rolls back.
+    connection.abort();
+    drop(crashing);
+
+    let mut other = connect(&db.config).await;
+    let waiting = idempotency
+        .clone()
+        .when_in_progress(WhenInProgress::Wait(PATIENCE));
+    let outcome = run_once(&waiting, &mut other, &table, &k, "x").await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    let notes: Vec<String> = db
+        .client
+        .query(&format!("SELECT note FROM {table}"), &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(notes, ["x"]);
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn commit_without_a_stored_response_is_refused() {
+    let mut db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone());
+    let k = key("k4");
+
+    let tx = db.client.transaction().await.expect("begin");
+    let begun = idempotency
+        .begin(&tx, SCOPE, &k, &fp("x"))
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::New(_)));
+    tx.execute(&format!("INSERT INTO {table} (note) VALUES ('x')"), &[])
+        .await
+        .expect("effect");
+    let refused = tx.commit().await.expect_err("commit must be refused");
+    assert!(
+        refused
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("without a stored response")),
+        "{refused:?}"
+    );
+    assert_eq!(count(&db, &table).await, 0, "the effect did not commit");
+
+    let mut other = connect(&db.config).await;
+    let outcome = run_once(&idempotency, &mut other, &table, &k, "x").await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert_eq!(count(&db, &table).await, 1);
+    db.cleanup().await;
+}
+
+#[derive(Debug)]
+struct Insufficient;
+
+impl std::fmt::Display for Insufficient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("insufficient funds")
+    }
+}
+
+impl std::error::Error for Insufficient {}
+
+impl From<tokio_postgres::Error> for Insufficient {
+    fn from(e: tokio_postgres::Error) -> Self {
+        panic!("unexpected database error: {e}")
+    }
+}
+
+#[tokio::test]
+async fn handler_error_from_run_is_returned_and_rolled_back() {
+    let mut db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone());
+    let k = key("k5");
+    let t = table.clone();
+    let result = idempotency
+        .run(&mut db.client, SCOPE, &k, &fp("x"), move |tx| {
+            Box::pin(async move {
+                tx.execute(&format!("INSERT INTO {t} (note) VALUES ('x')"), &[])
+                    .await?;
+                // A failure after a successful write, with the transaction
+                // still healthy: nothing but run() decides it must not commit.
+                Err::<StoredResponse, _>(Insufficient)
+            })
+        })
+        .await;
+    assert!(
+        matches!(result, Err(RunError::Handler(Insufficient))),
+        "{result:?}"
+    );
+    assert_eq!(count(&db, &table).await, 0);
+    let outcome = run_once(&idempotency, &mut db.client, &table, &k, "x").await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert_eq!(count(&db, &table).await, 1);
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn expired_keys_run_again_and_cleanup_deletes_them_in_batches() {
+    let mut db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone()).ttl(Duration::from_secs(90));
+    let records = format!("{}.idempotency_keys", db.schema.quoted());
+
+    for i in 0..25 {
+        let outcome = run_once(
+            &idempotency,
+            &mut db.client,
+            &table,
+            &key(&format!("e{i}")),
+            "x",
+        )
+        .await;
+        assert!(matches!(outcome, Outcome::Executed(_)));
+    }
+    let ttl: Vec<bool> = db
+        .client
+        .query(
+            &format!("SELECT expires_at - created_at = interval '90 seconds' FROM {records}"),
+            &[],
+        )
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ttl, vec![true; 25], "expiry is created_at + ttl");
+
+    // Before expiry a reuse replays.
+    let replay = run_once(&idempotency, &mut db.client, &table, &key("e0"), "x").await;
+    assert!(matches!(replay, Outcome::Replayed(_)), "{replay:?}");
+    assert_eq!(count(&db, &table).await, 25);
+
+    // Time passes for e0..e19 (moving the clock is not something a test can do).
+    db.client
+        .execute(
+            &format!(
+                "UPDATE {records} SET expires_at = now() - interval '1 second' \
+                 WHERE key ~ '^e([0-9]|1[0-9])$'"
+            ),
+            &[],
+        )
+        .await
+        .expect("expire");
+
+    // An expired key reused before cleanup has run: it runs again.
+    let again = run_once(&idempotency, &mut db.client, &table, &key("e0"), "x").await;
+    assert!(matches!(again, Outcome::Executed(_)), "{again:?}");
+    assert_eq!(count(&db, &table).await, 26);
+    // ... and counts as fresh: a new window, replayed from now on.
+    let replay = run_once(&idempotency, &mut db.client, &table, &key("e0"), "x").await;
+    assert!(matches!(replay, Outcome::Replayed(_)), "{replay:?}");
+
+    // 19 expired records left; batches of 7.
+    let mut batches = Vec::new();
+    loop {
+        let deleted = idempotency.cleanup(&db.client, 7).await.expect("cleanup");
+        batches.push(deleted);
+        if deleted < 7 {
+            break;
+        }
+    }
+    assert_eq!(batches, [7, 7, 5]);
+    let left: Vec<String> = db
+        .client
+        .query(&format!("SELECT key FROM {records} ORDER BY key"), &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["e0", "e20", "e21", "e22", "e23", "e24"]);
+
+    // A cleaned-up key runs again too.
+    let cleaned = run_once(&idempotency, &mut db.client, &table, &key("e5"), "x").await;
+    assert!(matches!(cleaned, Outcome::Executed(_)), "{cleaned:?}");
+    assert_eq!(count(&db, &table).await, 27);
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn scopes_keep_equal_keys_apart() {
+    let mut db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone());
+    let k = key("same");
+    for scope in ["user:1 POST /effects", "user:2 POST /effects"] {
+        let t = table.clone();
+        let outcome = idempotency
+            .run(&mut db.client, scope, &k, &fp("x"), move |tx| {
+                Box::pin(async move {
+                    tx.execute(&format!("INSERT INTO {t} (note) VALUES ('x')"), &[])
+                        .await?;
+                    Ok::<_, tokio_postgres::Error>(StoredResponse::new(201, vec![], vec![]))
+                })
+            })
+            .await
+            .expect("run");
+        assert!(
+            matches!(outcome, Outcome::Executed(_)),
+            "{scope}: {outcome:?}"
+        );
+    }
+    assert_eq!(count(&db, &table).await, 2);
+    db.cleanup().await;
+}
+
+// ---- the credits example ----
+
+#[test]
+fn credits_delays_default_to_the_story_and_read_the_env_names() {
+    assert_eq!(
+        credits::Delays::from_lookup(|_| None),
+        Ok(credits::Delays::STORY)
+    );
+    assert_eq!(credits::Delays::STORY.handler, Duration::from_secs(6));
+    assert_eq!(
+        credits::Delays::STORY.client_timeout,
+        Duration::from_secs(5)
+    );
+    let fast = credits::Delays::from_lookup(|name| match name {
+        "CREDITS_HANDLER_DELAY_MS" => Some("600".into()),
+        "CREDITS_CLIENT_TIMEOUT_MS" => Some("500".into()),
+        _ => None,
+    });
+    assert_eq!(
+        fast,
+        Ok(credits::Delays {
+            handler: Duration::from_millis(600),
+            client_timeout: Duration::from_millis(500),
+        })
+    );
+    let bad = credits::Delays::from_lookup(|name| {
+        (name == "CREDITS_CLIENT_TIMEOUT_MS").then(|| "5s".to_owned())
+    });
+    assert!(bad.is_err_and(|e| e.contains("CREDITS_CLIENT_TIMEOUT_MS")));
+}
+
+#[tokio::test]
+async fn credits_story_grants_once_and_the_retry_gets_the_original_response() {
+    let db = TestDb::new().await;
+    credits::create_tables(&db.client, &db.schema)
+        .await
+        .expect("tables");
+    // The story, shortened. The handler's delay is a floor (a sleep), so the
+    // first attempt cannot get an answer before the client gives up; later
+    // attempts are not timed, only counted.
+    let delays = credits::Delays {
+        handler: Duration::from_millis(1500),
+        client_timeout: Duration::from_millis(1000),
+    };
+    let pool = credits::pool(db.config.clone()).expect("pool");
+    let (addr, server) = credits::serve(credits::App::new(pool, db.schema.clone(), delays.handler))
+        .await
+        .expect("serve");
+
+    let attempts = credits::client_story(
+        &format!("http://{addr}"),
+        "alice",
+        100,
+        delays.client_timeout,
+        20,
+    )
+    .await
+    .expect("story");
+    assert_eq!(
+        attempts.first(),
+        Some(&credits::Attempt::TimedOut),
+        "{attempts:?}"
+    );
+    let Some(credits::Attempt::Answered {
+        status: 201,
+        replayed: true,
+        body,
+    }) = attempts.last()
+    else {
+        panic!("the client did not end with a replayed grant: {attempts:?}");
+    };
+    let grant: credits::Grant = serde_json::from_slice(body).expect("grant json");
+
+    let grants = db
+        .client
+        .query(
+            &format!(
+                "SELECT grant_id FROM {}.credit_grants WHERE user_id = 'alice'",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("grants");
+    assert_eq!(grants.len(), 1, "credits granted once");
+    assert_eq!(
+        grant.grant_id,
+        grants[0].get::<_, uuid::Uuid>(0),
+        "the original response"
+    );
+    assert_eq!((grant.amount, grant.balance), (100, 100));
+    let balance: i64 = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT credits FROM {}.credit_accounts WHERE user_id = 'alice'",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("balance")
+        .get(0);
+    assert_eq!(balance, 100);
+    assert_eq!(db.pending().await, 1, "one credits.granted message");
+    server.abort();
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_huge_ttl_is_capped_rather_than_overflowing_the_timestamp() {
+    let mut db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let idempotency = Idempotency::with_schema(db.schema.clone()).ttl(Duration::MAX);
+    let outcome = run_once(&idempotency, &mut db.client, &table, &key("forever"), "x").await;
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    let years: f64 = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT extract(epoch FROM expires_at - created_at)::float8 / (365.25 * 86400) \
+                 FROM {}.idempotency_keys",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("select")
+        .get(0);
+    assert!((99.0..=101.0).contains(&years), "{years} years");
+    db.cleanup().await;
+}
