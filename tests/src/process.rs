@@ -18,6 +18,8 @@ impl RelayProcess {
         cmd.arg("run")
             .env("OUTBOX_DATABASE_URL", crate::pg_url())
             .env("OUTBOX_AMQP_URL", crate::amqp_url())
+            // Many relays run side by side in the suites: an ephemeral port each.
+            .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
             .env(
                 "OUTBOX_LOG",
                 std::env::var("OUTBOX_LOG").unwrap_or_else(|_| "warn".into()),
