@@ -55,14 +55,13 @@ pub enum Error {
     Postgres(#[from] tokio_postgres::Error),
 }
 
-/// Runs the relay described by `config` until `shutdown` is cancelled.
+/// Runs the relay described by `config` until `shutdown` is cancelled, with
+/// `/metrics`, `/healthz` and `/readyz` on the configured HTTP address.
 pub async fn run(config: config::Config, shutdown: CancellationToken) -> Result<(), Error> {
-    match config.broker {
+    match config.broker.clone() {
         config::Broker::Amqp(amqp) => {
             let publisher = publish::amqp::AmqpPublisher::new(amqp);
-            Relay::new(config.pg, config.schema, publisher, config.settings)
-                .run(shutdown)
-                .await
+            serve_relay(config, publisher, shutdown).await
         }
         config::Broker::Kafka(kafka) => {
             let publisher =
@@ -70,11 +69,58 @@ pub async fn run(config: config::Config, shutdown: CancellationToken) -> Result<
                     flag: "--kafka-config",
                     reason: e.to_string(),
                 })?;
-            Relay::new(config.pg, config.schema, publisher, config.settings)
-                .run(shutdown)
-                .await
+            serve_relay(config, publisher, shutdown).await
         }
     }
+}
+
+async fn serve_relay<P: publish::Publisher>(
+    config: config::Config,
+    publisher: P,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let relay = Relay::new(
+        config.pg.clone(),
+        config.schema.clone(),
+        publisher,
+        config.settings,
+    );
+    let stats = relay.stats();
+    let mut helpers = Vec::new();
+    if let Some(addr) = config.http_addr {
+        let listener = metrics::bind(addr).await?;
+        let handle = metrics::install().map_err(|reason| config::ConfigError {
+            flag: "--http-addr",
+            reason: format!("cannot install the metrics recorder: {reason}"),
+        })?;
+        let local = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        tracing::info!(addr = %local, "serving /metrics, /healthz, /readyz");
+        let stop = CancellationToken::new();
+        helpers.push(tokio::spawn(metrics::serve(
+            listener,
+            handle,
+            std::sync::Arc::clone(&stats),
+            stop.clone(),
+        )));
+        helpers.push(tokio::spawn(metrics::collect(
+            config.pg,
+            config.schema,
+            std::sync::Arc::clone(&stats),
+            std::time::Duration::from_secs(5),
+            stop.clone(),
+        )));
+        let result = relay.run(shutdown).await;
+        // The endpoints outlive the relay loop so probes see the drain.
+        stop.cancel();
+        for h in helpers {
+            let _ = h.await;
+        }
+        return result;
+    }
+    relay.run(shutdown).await
 }
 
 /// Connects to Postgres with `config` and applies the migrations to `schema`.

@@ -1,0 +1,281 @@
+//! Operating the relay: metrics move while messages flow, readiness follows the
+//! broker, and logs never carry passwords or payloads.
+
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_tests::amqp::Fixture;
+use outbox_tests::db::TestDb;
+use outbox_tests::eventually;
+use outbox_tests::proxy::{Mode, Proxy};
+use tokio::process::Command;
+
+const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+const PATIENCE: Duration = Duration::from_secs(120);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A plain HTTP/1.0 GET, as a probe or a scraper would send it.
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.ok()?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// The value of the first sample line starting with `prefix`.
+fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .reduce(|a, b| a + b)
+}
+
+#[tokio::test]
+async fn metrics_move_and_readiness_follows_the_broker() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    proxy.set(Mode::Refuse);
+    let port = free_port();
+    let mut relay = Command::new(RELAY_BIN)
+        .arg("run")
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env(
+            "OUTBOX_AMQP_URL",
+            format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port),
+        )
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("OUTBOX_CONFIRM_TIMEOUT", "3s")
+        .env("OUTBOX_HOLD_LIMIT", "10s")
+        .env("OUTBOX_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("relay");
+    assert!(
+        eventually(PATIENCE, || async {
+            get(port, "/healthz").await.is_some_and(|(s, _)| s == 200)
+        })
+        .await,
+        "/healthz never answered"
+    );
+    // The broker is unreachable from the start: alive, not ready, backlog grows.
+    assert!(
+        eventually(PATIENCE, || async {
+            get(port, "/readyz").await.is_some_and(|(s, _)| s == 503)
+        })
+        .await,
+        "ready although the broker is unreachable"
+    );
+    let messages: Vec<Message> = (0..2000)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key(format!("k{}", i % 20))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    let backlog_line = format!(
+        "outbox_backlog_messages{{destination=\"{}\"}}",
+        rabbit.exchange
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            let m = get(port, "/metrics")
+                .await
+                .map(|(_, m)| m)
+                .unwrap_or_default();
+            sample(&m, &backlog_line) == Some(2000.0)
+        })
+        .await,
+        "backlog gauge never showed the 2000 waiting rows"
+    );
+
+    proxy.set(Mode::Pass);
+    assert!(
+        eventually(PATIENCE, || async {
+            get(port, "/readyz").await.is_some_and(|(s, _)| s == 200)
+        })
+        .await,
+        "never ready after the broker became reachable"
+    );
+    assert!(eventually(PATIENCE, || async { rabbit.count() >= 2000 }).await);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let (moved, last) = loop {
+        let m = get(port, "/metrics")
+            .await
+            .map(|(_, m)| m)
+            .unwrap_or_default();
+        let published = sample(
+            &m,
+            &format!(
+                "outbox_messages_total{{destination=\"{}\",result=\"published\"}}",
+                rabbit.exchange
+            ),
+        );
+        let latencies = sample(&m, "outbox_commit_to_confirm_seconds_count");
+        let ok = published == Some(2000.0)
+            && latencies == Some(2000.0)
+            && sample(&m, &backlog_line) == Some(0.0);
+        if ok || tokio::time::Instant::now() > deadline {
+            break (ok, m);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        moved,
+        "counters, histogram or backlog gauge did not move as expected:\n{last}"
+    );
+    for name in outbox_relay::metrics::ALL {
+        assert!(last.contains(name), "metric {name} not exported:\n{last}");
+    }
+
+    // Broker unreachable: not ready within seconds; back: ready again.
+    proxy.set(Mode::Refuse);
+    assert!(
+        eventually(PATIENCE, || async {
+            get(port, "/readyz").await.is_some_and(|(s, _)| s == 503)
+        })
+        .await,
+        "still ready with the broker unreachable"
+    );
+    let (_, why) = get(port, "/readyz").await.expect("answer");
+    assert!(why.contains("broker"), "{why}");
+    assert_eq!(
+        get(port, "/healthz").await.map(|(s, _)| s),
+        Some(200),
+        "alive all the same"
+    );
+    proxy.set(Mode::Pass);
+    assert!(
+        eventually(PATIENCE, || async {
+            get(port, "/readyz").await.is_some_and(|(s, _)| s == 200)
+        })
+        .await,
+        "not ready again after the broker came back"
+    );
+
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(relay.id().expect("pid").to_string())
+        .status()
+        .await;
+    assert_eq!(relay.wait().await.ok().and_then(|s| s.code()), Some(0));
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn logs_never_show_the_password_or_payloads() {
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    const PASSWORD: &str = "pw-sentinel-7f3a9";
+    const PAYLOAD: &str = "payload-sentinel-c41e";
+    // Trust authentication ignores the password, so it only travels through
+    // the relay's configuration: exactly what must not leak.
+    let url = outbox_tests::pg_url().replacen("postgres@", &format!("postgres:{PASSWORD}@"), 1);
+    assert!(
+        url.contains(PASSWORD),
+        "test URL must carry the password: {url}"
+    );
+    let mut child = Command::new(RELAY_BIN)
+        .arg("run")
+        .env("OUTBOX_DATABASE_URL", &url)
+        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .env("OUTBOX_LOG", "trace")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("relay");
+    let pid = child.id().expect("pid");
+    // Drain both pipes as the relay writes, or a full pipe would stall it.
+    let mut out_pipe = child.stdout.take().expect("stdout");
+    let mut err_pipe = child.stderr.take().expect("stderr");
+    let out_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut out_pipe, &mut v).await;
+        v
+    });
+    let err_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
+        v
+    });
+    let unroutable = outbox_tests::unique("nowhere");
+    outbox_tests::amqp::declare_unbound_exchange(&unroutable).await;
+    let messages: Vec<Message> = (0..50)
+        .map(|i| {
+            let dest = if i == 0 {
+                unroutable.as_str()
+            } else {
+                rabbit.exchange.as_str()
+            };
+            Message::builder(dest)
+                .payload(format!("{PAYLOAD}-{i}"))
+                .header("h", "v")
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    assert!(eventually(PATIENCE, || async { rabbit.count() >= 49 }).await);
+    // Let the rejected message's warnings be logged too.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .await;
+    let _ = child.wait().await;
+    let out = out_task.await.expect("stdout");
+    let err = err_task.await.expect("stderr");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out),
+        String::from_utf8_lossy(&err)
+    );
+    assert!(
+        text.contains("relay running"),
+        "the log scan must see real logs:\n{text}"
+    );
+    assert!(
+        text.contains("broker rejected message"),
+        "the rejection path must have logged"
+    );
+    assert!(!text.contains(PASSWORD), "password leaked into the logs");
+    assert!(!text.contains(PAYLOAD), "payload leaked into the logs");
+    outbox_tests::amqp::delete_exchange(&unroutable).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
