@@ -1,0 +1,31 @@
+-- Least-privilege roles for one outbox schema. Run as the schema's owner after
+-- `outbox-relay migrate`:
+--
+--   psql -v schema=outbox -f deploy/roles.sql
+--   ALTER ROLE outbox_relay_login PASSWORD '...';   -- from your secret store
+--
+-- outbox_app:   may only add messages to the outbox (and use the consumer-side
+--               inbox, send-once, checkpoint and idempotency tables);
+--               it cannot read, change or delete outbox rows.
+-- outbox_relay: may read, settle and dead-letter outbox rows and keep its
+--               replica bookkeeping; nothing else.
+\set ON_ERROR_STOP on
+
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_app') THEN CREATE ROLE outbox_app NOLOGIN; END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_relay') THEN CREATE ROLE outbox_relay NOLOGIN; END IF;
+END $$;
+
+GRANT USAGE ON SCHEMA :"schema" TO outbox_app, outbox_relay;
+
+-- The app: INSERT only. The insert trigger (NOTIFY) needs nothing more.
+GRANT INSERT ON :"schema".messages TO outbox_app;
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".inbox, :"schema".sent_notifications,
+    :"schema".checkpoints, :"schema".idempotency_keys TO outbox_app;
+
+-- The relay: claim (SELECT ... FOR UPDATE), settle (DELETE), record failures
+-- (UPDATE), dead-letter, and its replica bookkeeping. `status` reads pg_locks
+-- and pg_stat_activity, which every role may read.
+GRANT SELECT, UPDATE, DELETE ON :"schema".messages TO outbox_relay;
+GRANT SELECT, INSERT ON :"schema".dead_letters TO outbox_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".replicas, :"schema".partition_owners TO outbox_relay;

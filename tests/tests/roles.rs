@@ -1,0 +1,103 @@
+//! deploy/roles.sql: the relay works as its restricted role, and the app role
+//! can add messages but not read or delete them.
+
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_tests::amqp::Fixture;
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
+
+#[tokio::test]
+async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/roles.sql");
+    let status = tokio::process::Command::new("psql")
+        .args([
+            "-q",
+            "-X",
+            &outbox_tests::pg_url(),
+            "-v",
+            &format!("schema={}", db.schema),
+            "-f",
+            script,
+        ])
+        .status()
+        .await
+        .expect("psql");
+    assert!(status.success(), "roles.sql failed");
+    // Login roles of the test's own, members of the script's roles.
+    let (app, relay_user) = (outbox_tests::unique("app"), outbox_tests::unique("relay"));
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {app} LOGIN IN ROLE outbox_app; CREATE ROLE {relay_user} LOGIN IN ROLE outbox_relay;"
+        ))
+        .await
+        .expect("login roles");
+
+    let as_role = |role: &str| {
+        let mut c = db.config.clone();
+        c.user(role);
+        c
+    };
+    let app_client = outbox_tests::db::connect(&as_role(&app)).await;
+    let outbox = db.outbox();
+    let msgs: Vec<Message> = (0..100)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key(format!("k{}", i % 5))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    outbox
+        .enqueue_batch(&app_client, &msgs)
+        .await
+        .expect("the app role can enqueue");
+    for forbidden in [
+        format!("SELECT count(*) FROM {}", db.table()),
+        format!("DELETE FROM {}", db.table()),
+        format!("UPDATE {} SET attempts = 0", db.table()),
+    ] {
+        let err = app_client
+            .execute(forbidden.as_str(), &[])
+            .await
+            .expect_err("must be refused");
+        assert_eq!(
+            err.code(),
+            Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
+            "{forbidden}"
+        );
+    }
+
+    let relay_db = TestDb {
+        config: as_role(&relay_user),
+        schema: db.schema.clone(),
+        client: outbox_tests::db::connect(&db.config).await,
+    };
+    let relay = InProcessRelay::amqp(&relay_db, fast_settings());
+    assert!(
+        eventually(Duration::from_secs(120), || async { rabbit.count() >= 100 }).await,
+        "the relay role could not deliver: {} of 100",
+        rabbit.count()
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.pending().await == 0
+        })
+        .await
+    );
+    relay.stop().await;
+    drop(app_client);
+    rabbit.cleanup().await;
+    let _ = db
+        .client
+        .batch_execute(&format!(
+            "DROP SCHEMA {} CASCADE; DROP ROLE {app}; DROP ROLE {relay_user};",
+            db.schema.quoted()
+        ))
+        .await;
+}
