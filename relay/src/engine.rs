@@ -55,7 +55,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             batch_size: 500,
-            pipeline: 2,
+            pipeline: 3,
             poll_interval: Duration::from_secs(1),
             retry_base: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),

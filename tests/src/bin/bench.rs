@@ -36,7 +36,7 @@ fn parse_args() -> Args {
         messages: 100_000,
         keys: 10_000,
         batch: 500,
-        pipeline: 2,
+        pipeline: 3,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
