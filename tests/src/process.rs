@@ -60,6 +60,18 @@ impl RelayProcess {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 
+    /// CPU time (user + system) used so far, from /proc.
+    pub fn cpu_time(&self) -> Option<std::time::Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
+        // Fields after the parenthesised command name; utime and stime are the
+        // 14th and 15th fields overall, in clock ticks (100 per second on Linux).
+        let after = stat.rsplit_once(')')?.1;
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some(std::time::Duration::from_millis(ticks * 10))
+    }
+
     /// SIGKILL and reap.
     pub async fn kill9(mut self) {
         self.signal("KILL").await;

@@ -20,8 +20,12 @@ async fn rabbitmqctl(args: &[&str]) {
     assert!(status.success(), "rabbitmqctl {args:?} failed");
 }
 
+/// The two tests stop the same broker: one at a time.
+static BROKER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test]
 async fn broker_stopped_for_10s_then_everything_is_delivered() {
+    let _broker = BROKER.lock().await;
     outbox_tests::init_logging();
     let started = std::time::Instant::now();
     let db = TestDb::new().await;
@@ -88,6 +92,115 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
     );
     // The relay survived the outage: it still stops cleanly on request.
     relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// Broker down for 60 s with a backlog waiting: outage failures are not counted
+/// as attempts, nothing is dead-lettered, the relay does not spin, and
+/// everything goes out once the broker is back.
+#[tokio::test]
+async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
+    let _broker = BROKER.lock().await;
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let env = vec![
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_MAX_ATTEMPTS", "3".to_string()),
+        ("OUTBOX_RETRY_BASE", "100ms".to_string()),
+        ("OUTBOX_RECONNECT_MAX", "2s".to_string()),
+    ];
+    let mut relay = outbox_tests::process::RelayProcess::start(
+        env!("CARGO_BIN_EXE_outbox-relay-under-test"),
+        &env,
+    );
+    let first: Vec<outbox_client::Message> = (0..100)
+        .map(|i| {
+            outbox_client::Message::builder(rabbit.exchange.as_str())
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &first)
+        .await
+        .expect("enqueue");
+    assert!(eventually(Duration::from_secs(60), || async { rabbit.count() >= 100 }).await);
+
+    rabbitmqctl(&["stop_app"]).await;
+    let cpu_before = relay.cpu_time().expect("relay running");
+    let wall = std::time::Instant::now();
+    let backlog: Vec<outbox_client::Message> = (0..2000)
+        .map(|i| {
+            outbox_client::Message::builder(rabbit.exchange.as_str())
+                .key(format!("k{}", i % 10))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &backlog)
+        .await
+        .expect("enqueue");
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let cpu = relay.cpu_time().expect("relay still running") - cpu_before;
+    let elapsed = wall.elapsed();
+    let row = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT coalesce(max(attempts), 0), count(*), \
+                        (SELECT count(*) FROM {s}.dead_letters), count(last_error) \
+                 FROM {s}.messages",
+                s = db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("counts");
+    let (max_attempts, pending, dead, with_error): (i32, i64, i64, i64) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    rabbitmqctl(&["start_app"]).await;
+    rabbitmqctl(&["await_startup"]).await;
+
+    println!(
+        "broker down {:?}: relay used {:?} of CPU ({:.1}% of one core); {pending} rows waited, \
+         {with_error} with the outage recorded as their last error",
+        elapsed,
+        cpu,
+        100.0 * cpu.as_secs_f64() / elapsed.as_secs_f64()
+    );
+    assert_eq!(pending, 2000, "the backlog waits in Postgres");
+    assert_eq!(
+        max_attempts, 0,
+        "an outage must not count as delivery attempts"
+    );
+    assert_eq!(
+        dead, 0,
+        "nothing may be dead-lettered because the broker was down"
+    );
+    // A busy loop would burn a whole core; waiting with backoff costs little.
+    assert!(
+        cpu < elapsed / 4,
+        "relay spun during the outage: {cpu:?} CPU in {elapsed:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(120), || async {
+            db.pending().await == 0
+        })
+        .await
+    );
+    assert!(
+        eventually(Duration::from_secs(120), || async {
+            rabbit.count() >= 2100
+        })
+        .await
+    );
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0));
     rabbit.cleanup().await;
     db.cleanup().await;
 }

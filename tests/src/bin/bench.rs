@@ -25,6 +25,7 @@ use outbox_client::Message;
 use outbox_tests::db::TestDb;
 
 struct Args {
+    broker: String,
     messages: usize,
     keys: usize,
     batch: usize,
@@ -33,6 +34,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
+        broker: "amqp".to_owned(),
         messages: 100_000,
         keys: 10_000,
         batch: 500,
@@ -41,6 +43,17 @@ fn parse_args() -> Args {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < argv.len() {
+        if argv[i] == "--broker" {
+            match argv.get(i + 1).map(String::as_str) {
+                Some(b @ ("amqp" | "kafka" | "all")) => a.broker = b.to_owned(),
+                _ => {
+                    eprintln!("--broker takes amqp, kafka or all");
+                    std::process::exit(2);
+                }
+            }
+            i += 2;
+            continue;
+        }
         let v = argv.get(i + 1).and_then(|s| s.parse::<usize>().ok());
         match (argv[i].as_str(), v) {
             ("--messages", Some(v)) => a.messages = v,
@@ -64,6 +77,132 @@ fn rate(n: usize, d: Duration) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args();
+    println!(
+        "messages={} payload=1KiB keys={} batch={} pipeline={}",
+        args.messages, args.keys, args.batch, args.pipeline
+    );
+    if args.broker == "amqp" || args.broker == "all" {
+        amqp(&args).await?;
+    }
+    if args.broker == "kafka" || args.broker == "all" {
+        kafka(&args).await?;
+    }
+    Ok(())
+}
+
+/// Messages for the outbox: 1 KiB payloads over `keys` keys.
+async fn fill_outbox(db: &TestDb, destination: &str, args: &Args) -> anyhow::Result<f64> {
+    let payload = vec![b'x'; 1024];
+    let outbox = db.outbox();
+    let started = Instant::now();
+    let mut written = 0;
+    while written < args.messages {
+        let n = 1000.min(args.messages - written);
+        let batch: Vec<Message> = (written..written + n)
+            .map(|i| {
+                Message::builder(destination)
+                    .key(format!("key-{}", i % args.keys.max(1)))
+                    .routing_key("bench")
+                    .payload(payload.clone())
+                    .build()
+            })
+            .collect::<Result<_, _>>()?;
+        outbox.enqueue_batch(&db.client, &batch).await?;
+        written += n;
+    }
+    let rate = rate(written, started.elapsed());
+    db.client
+        .batch_execute(&format!("VACUUM ANALYZE {}", db.table()))
+        .await?;
+    Ok(rate)
+}
+
+fn relay_settings(args: &Args) -> outbox_relay::Settings {
+    outbox_relay::Settings {
+        batch_size: args.batch as i64,
+        pipeline: args.pipeline,
+        ..outbox_relay::Settings::default()
+    }
+}
+
+async fn drain(relay: outbox_tests::InProcessRelay, messages: usize, started: Instant) -> f64 {
+    while relay.stats.published.load(Ordering::Relaxed) < messages as u64 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let r = rate(messages, started.elapsed());
+    relay.stop().await;
+    r
+}
+
+/// Raw idempotent producer versus the relay, to tansu (or any Kafka-protocol
+/// broker at OUTBOX_TEST_KAFKA_BROKERS).
+async fn kafka(args: &Args) -> anyhow::Result<()> {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+    let brokers = outbox_tests::kafka_brokers();
+    let raw_topic = outbox_tests::unique("benchraw");
+    let relay_topic = outbox_tests::unique("benchrelay");
+    outbox_tests::kafka::create_topic(&brokers, &raw_topic, 8).await;
+    outbox_tests::kafka::create_topic(&brokers, &relay_topic, 8).await;
+    let payload = vec![b'x'; 1024];
+
+    // The relay's own producer settings, so only the relay's work differs.
+    let settings = outbox_relay::publish::kafka::KafkaSettings {
+        brokers: brokers.clone(),
+        properties: Vec::new(),
+        message_timeout: Duration::from_secs(30),
+    };
+    let producer: FutureProducer = settings.client_config().create()?;
+    let window = args.batch * args.pipeline;
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < args.messages {
+        let n = window.min(args.messages - sent);
+        let mut reports = Vec::with_capacity(n);
+        for i in sent..sent + n {
+            let key = format!("key-{}", i % args.keys.max(1));
+            let id = uuid::Uuid::now_v7().to_string();
+            let record = FutureRecord::to(&raw_topic)
+                .key(key.as_bytes())
+                .payload(&payload)
+                .headers(OwnedHeaders::new().insert(Header {
+                    key: "message-id",
+                    value: Some(id.as_str()),
+                }));
+            reports.push(producer.send_result(record).map_err(|(e, _)| e)?);
+        }
+        for r in join_all(reports).await {
+            if !matches!(r, Ok(Ok(_))) {
+                anyhow::bail!("raw kafka produce failed");
+            }
+        }
+        sent += n;
+    }
+    let raw = rate(sent, started.elapsed());
+    producer.flush(Duration::from_secs(10))?;
+
+    let db = TestDb::new().await;
+    outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+    fill_outbox(&db, &relay_topic, args).await?;
+    let started = Instant::now();
+    let relay = outbox_tests::InProcessRelay::kafka(&db, &brokers, &[], relay_settings(args));
+    let drain = drain(relay, args.messages, started).await;
+    println!("{:<44} {:>10} {:>8}", "kafka (tansu)", "msgs/s", "vs raw");
+    println!(
+        "{:<44} {:>10.0} {:>8}",
+        "raw rdkafka producer (idempotent, acks=all)", raw, "1.00"
+    );
+    println!(
+        "{:<44} {:>10.0} {:>8.2}",
+        "relay drain to kafka",
+        drain,
+        drain / raw
+    );
+    db.cleanup().await;
+    Ok(())
+}
+
+async fn amqp(args: &Args) -> anyhow::Result<()> {
     let payload = vec![b'x'; 1024];
     let exchange = outbox_tests::unique("bench");
     let queue = outbox_tests::unique("benchq");
@@ -98,11 +237,6 @@ async fn main() -> anyhow::Result<()> {
         FieldTable::default(),
     )
     .await?;
-
-    println!(
-        "messages={} payload=1KiB keys={} batch={} pipeline={}",
-        args.messages, args.keys, args.batch, args.pipeline
-    );
 
     // 1. Raw lapin baseline with the relay's confirm window.
     let pub_ch = Arc::new(conn.create_channel().await?);
@@ -160,41 +294,12 @@ async fn main() -> anyhow::Result<()> {
     // 2. enqueue_batch into a fresh outbox.
     let db = TestDb::new().await;
     outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
-    let outbox = db.outbox();
-    let started = Instant::now();
-    let mut written = 0;
-    while written < args.messages {
-        let n = 1000.min(args.messages - written);
-        let batch: Vec<Message> = (written..written + n)
-            .map(|i| {
-                Message::builder(exchange.as_str())
-                    .key(format!("key-{}", i % args.keys.max(1)))
-                    .routing_key("bench")
-                    .payload(payload.clone())
-                    .build()
-            })
-            .collect::<Result<_, _>>()?;
-        outbox.enqueue_batch(&db.client, &batch).await?;
-        written += n;
-    }
-    let enqueue = rate(written, started.elapsed());
-    db.client
-        .batch_execute(&format!("VACUUM ANALYZE {}", db.table()))
-        .await?;
+    let enqueue = fill_outbox(&db, &exchange, args).await?;
 
     // 3. The relay drains the backlog.
-    let settings = outbox_relay::Settings {
-        batch_size: args.batch as i64,
-        pipeline: args.pipeline,
-        ..outbox_relay::Settings::default()
-    };
     let started = Instant::now();
-    let relay = outbox_tests::InProcessRelay::amqp(&db, settings);
-    while relay.stats.published.load(Ordering::Relaxed) < args.messages as u64 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let drain = rate(args.messages, started.elapsed());
-    relay.stop().await;
+    let relay = outbox_tests::InProcessRelay::amqp(&db, relay_settings(args));
+    let drain = drain(relay, args.messages, started).await;
 
     println!("{:<44} {:>10} {:>8}", "", "msgs/s", "vs raw");
     println!(
