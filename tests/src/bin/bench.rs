@@ -125,12 +125,23 @@ fn relay_settings(args: &Args) -> outbox_relay::Settings {
     }
 }
 
-async fn drain(relay: outbox_tests::InProcessRelay, messages: usize, started: Instant) -> f64 {
-    while relay.stats.published.load(Ordering::Relaxed) < messages as u64 {
+async fn drain_with(
+    relays: Vec<outbox_tests::InProcessRelay>,
+    messages: usize,
+    started: Instant,
+) -> f64 {
+    let published = |rs: &[outbox_tests::InProcessRelay]| {
+        rs.iter()
+            .map(|r| r.stats.published.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    while published(&relays) < messages as u64 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let r = rate(messages, started.elapsed());
-    relay.stop().await;
+    for relay in relays {
+        relay.stop().await;
+    }
     r
 }
 
@@ -186,7 +197,7 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
     fill_outbox(&db, &relay_topic, args).await?;
     let started = Instant::now();
     let relay = outbox_tests::InProcessRelay::kafka(&db, &brokers, &[], relay_settings(args));
-    let drain = drain(relay, args.messages, started).await;
+    let drain = drain_with(vec![relay], args.messages, started).await;
     println!("{:<44} {:>10} {:>8}", "kafka (tansu)", "msgs/s", "vs raw");
     println!(
         "{:<44} {:>10.0} {:>8}",
@@ -299,7 +310,20 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     // 3. The relay drains the backlog.
     let started = Instant::now();
     let relay = outbox_tests::InProcessRelay::amqp(&db, relay_settings(args));
-    let drain = drain(relay, args.messages, started).await;
+    let drain = drain_with(vec![relay], args.messages, started).await;
+
+    // 4. The same backlog drained by 2 and 3 replicas sharing the partitions.
+    let mut replicated = Vec::new();
+    for n in [2usize, 3] {
+        fill_outbox(&db, &exchange, args).await?;
+        ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        let started = Instant::now();
+        let relays = (0..n)
+            .map(|_| outbox_tests::InProcessRelay::amqp(&db, relay_settings(args)))
+            .collect();
+        replicated.push((n, drain_with(relays, args.messages, started).await));
+    }
 
     println!("{:<44} {:>10} {:>8}", "", "msgs/s", "vs raw");
     println!(
