@@ -14,6 +14,11 @@ use tokio_postgres::{Client, Config, NoTls};
 
 /// Opens a connection for the relay's own use and drives it in the background.
 ///
+/// `synchronous_commit = off`: the relay's transactions only delete or annotate
+/// rows the broker already answered for. If a crash loses such a commit, the
+/// rows come back and are published again: a duplicate, never a loss. Waiting
+/// for the WAL flush on every batch would buy nothing.
+///
 /// `idle_in_transaction_session_timeout` bounds how long a relay that stopped
 /// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
 /// server ends the session, releases the rows, and the relay's own late delete
@@ -31,6 +36,7 @@ pub async fn connect(
     client
         .batch_execute(&format!(
             "SET application_name = 'outbox-relay'; \
+             SET synchronous_commit = off; \
              SET idle_in_transaction_session_timeout = {}",
             hold_limit.as_millis().max(1)
         ))

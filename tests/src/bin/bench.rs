@@ -332,10 +332,18 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     );
     println!(
         "{:<44} {:>10.0} {:>8.2}",
-        "relay drain to rabbitmq",
+        "relay drain to rabbitmq (1 replica)",
         drain,
         drain / raw
     );
+    for (n, r) in &replicated {
+        println!(
+            "{:<44} {:>10.0} {:>8.2}",
+            format!("relay drain to rabbitmq ({n} replicas)"),
+            r,
+            r / raw
+        );
+    }
     println!(
         "{:<44} {:>10.0} {:>8}",
         "enqueue_batch (1,000 per statement)", enqueue, "-"
