@@ -62,7 +62,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             print_out(&v, json, ops::locate_text);
         }
         Command::DeadLetters { db, action } => {
-            let mut client = connect(&db).await?;
+            let client = connect(&db).await?;
             match action {
                 DeadLetterAction::List {
                     filter,
@@ -88,7 +88,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 DeadLetterAction::Retry { filter, yes, json } => {
                     ops::require_selection(&filter)?;
                     ops::confirm("return the selected dead letters to the outbox?", yes)?;
-                    let n = ops::retry(&mut client, &db.schema, &filter).await?;
+                    let n = ops::retry(&client, &db.schema, &filter).await?;
                     print_out(&serde_json::json!({"retried": n}), json, |_| {
                         format!("{n} dead letters returned to the outbox\n")
                     });

@@ -378,10 +378,7 @@ pub async fn dead_letters(
     limit: i64,
 ) -> Result<serde_json::Value, OpsError> {
     let (wher, params) = filter.sql();
-    let mut refs: Vec<&(dyn ToSql + Sync)> = params
-        .iter()
-        .map(|p| p.as_ref() as &(dyn ToSql + Sync))
-        .collect();
+    let mut refs = as_refs(&params);
     refs.push(&limit);
     let rows = client
         .query(
@@ -474,6 +471,14 @@ pub fn confirm(prompt: &str, yes: bool) -> Result<(), OpsError> {
     }
 }
 
+/// Borrows boxed parameters in the form `execute` takes.
+fn as_refs(params: &[Box<dyn ToSql + Sync + Send>]) -> Vec<&(dyn ToSql + Sync)> {
+    params
+        .iter()
+        .map(|p| p.as_ref() as &(dyn ToSql + Sync))
+        .collect()
+}
+
 /// Refuses retry/discard without an explicit selection.
 pub fn require_selection(filter: &Filter) -> Result<(), OpsError> {
     if filter.is_empty() && !filter.all {
@@ -487,20 +492,13 @@ pub fn require_selection(filter: &Filter) -> Result<(), OpsError> {
 /// Returns matching dead letters to the outbox with their original seq (so they
 /// keep their place in their key's order) and a fresh attempt count. Their keys
 /// unpark as the dead letters leave. Returns how many moved.
-pub async fn retry(
-    client: &mut Client,
-    schema: &SchemaName,
-    filter: &Filter,
-) -> Result<u64, OpsError> {
+pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Result<u64, OpsError> {
     require_selection(filter)?;
     let (wher, params) = filter.sql();
-    let refs: Vec<&(dyn ToSql + Sync)> = params
-        .iter()
-        .map(|p| p.as_ref() as &(dyn ToSql + Sync))
-        .collect();
+    let refs = as_refs(&params);
     let s = schema.quoted();
-    let tx = client.transaction().await?;
-    let moved = tx
+    // One statement: the move is atomic without an explicit transaction.
+    let moved = client
         .execute(
             &format!(
                 "WITH moved AS (DELETE FROM {s}.dead_letters WHERE {wher} RETURNING *) \
@@ -521,7 +519,6 @@ pub async fn retry(
                 OpsError::Postgres(e)
             }
         })?;
-    tx.commit().await?;
     Ok(moved)
 }
 
@@ -533,10 +530,7 @@ pub async fn discard(
 ) -> Result<u64, OpsError> {
     require_selection(filter)?;
     let (wher, params) = filter.sql();
-    let refs: Vec<&(dyn ToSql + Sync)> = params
-        .iter()
-        .map(|p| p.as_ref() as &(dyn ToSql + Sync))
-        .collect();
+    let refs = as_refs(&params);
     Ok(client
         .execute(
             &format!("DELETE FROM {}.dead_letters WHERE {wher}", schema.quoted()),
