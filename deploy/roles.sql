@@ -7,8 +7,9 @@
 -- outbox_app:   may only add messages to the outbox (and use the consumer-side
 --               inbox, send-once, checkpoint and idempotency tables);
 --               it cannot read, change or delete outbox rows.
--- outbox_relay: may read, settle and dead-letter outbox rows and keep its
---               replica bookkeeping; nothing else.
+-- outbox_relay: may read, settle and dead-letter outbox rows, keep published
+--               rows in retention mode, and keep its replica bookkeeping;
+--               nothing else.
 \set ON_ERROR_STOP on
 
 DO $$ BEGIN
@@ -28,4 +29,6 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".inbox, :"schema".sent_notifica
 -- and pg_stat_activity, which every role may read.
 GRANT SELECT, UPDATE, DELETE ON :"schema".messages TO outbox_relay;
 GRANT SELECT, INSERT ON :"schema".dead_letters TO outbox_relay;
+-- Retention mode moves published rows here and deletes them after a while.
+GRANT SELECT, INSERT, DELETE ON :"schema".published TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".replicas, :"schema".partition_owners TO outbox_relay;

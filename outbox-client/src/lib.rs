@@ -44,6 +44,9 @@
 //!   in the same transaction as the request's effect and its outbox messages.
 //! - `axum`: the `idempotency::axum` extractor and response helper (implies
 //!   `idempotency`).
+//! - `opentelemetry`: [`trace`], the enqueueing span's W3C `traceparent` and
+//!   `tracestate` stored in each message's headers, so consumers continue the
+//!   trace.
 //!
 //! # Ordering
 //!
@@ -66,6 +69,7 @@ mod message;
 mod migrate;
 mod schema;
 pub mod send_once;
+pub mod trace;
 
 use tokio_postgres::GenericClient;
 
@@ -187,15 +191,26 @@ impl Outbox {
         let destinations: Vec<&str> = messages.iter().map(|m| m.destination.as_str()).collect();
         let keys: Vec<Option<&str>> = messages.iter().map(|m| m.key.as_deref()).collect();
         let routing_keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
+        let trace = trace::current();
         let headers: Vec<serde_json::Value> = messages
             .iter()
             .map(|m| {
-                serde_json::Value::Object(
-                    m.headers
-                        .iter()
-                        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
-                        .collect(),
-                )
+                let mut map: serde_json::Map<String, serde_json::Value> = m
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                    .collect();
+                // The message's own trace headers, if it set any, win.
+                if let Some(t) = trace
+                    .as_ref()
+                    .filter(|_| !map.contains_key(trace::TRACEPARENT))
+                {
+                    map.insert(trace::TRACEPARENT.into(), t.traceparent.clone().into());
+                    if let Some(state) = &t.tracestate {
+                        map.insert(trace::TRACESTATE.into(), state.clone().into());
+                    }
+                }
+                serde_json::Value::Object(map)
             })
             .collect();
         let payloads: Vec<&[u8]> = messages.iter().map(|m| m.payload.as_slice()).collect();

@@ -22,6 +22,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V4__idempotency",
         include_str!("../../migrations/V4__idempotency.sql"),
     ),
+    (
+        "V5__retention",
+        include_str!("../../migrations/V5__retention.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.

@@ -47,7 +47,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             crate::run(config, shutdown).await?;
         }
         Command::Migrate(db) => {
-            crate::migrate(&db.pg_config()?, &db.schema).await?;
+            crate::migrate(&db.database()?, &db.schema).await?;
             println!("schema {} is up to date", db.schema);
         }
         Command::Demo(args) => crate::demo::run(args).await?,
@@ -104,8 +104,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Notify { db, state } => {
-            let (client, connection) = db.pg_config()?.connect(tokio_postgres::NoTls).await?;
-            tokio::spawn(connection);
+            let client = db.database()?.connect_spawned().await?;
             outbox_client::set_notify(&client, db.schema.as_str(), state == Switch::On).await?;
             println!(
                 "notify is {}",
@@ -155,9 +154,7 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn connect(db: &DbArgs) -> anyhow::Result<tokio_postgres::Client> {
-    let (client, connection) = db.pg_config()?.connect(tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
-    Ok(client)
+    Ok(db.database()?.connect_spawned().await?)
 }
 
 fn print_out(v: &serde_json::Value, json: bool, text: impl Fn(&serde_json::Value) -> String) {

@@ -41,7 +41,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Relay committed outbox rows to the broker until SIGTERM or Ctrl-C.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Create the outbox schema or bring it up to date (safe to run concurrently).
     Migrate(DbArgs),
     /// Show the whole path working against the local Postgres and RabbitMQ.
@@ -169,10 +169,10 @@ impl fmt::Display for SecretUrl {
 }
 
 fn parse_pg_url(s: &str) -> Result<SecretUrl, String> {
-    tokio_postgres::Config::from_str(s)
+    crate::source::Database::from_url(s)
         .map(|_| SecretUrl(s.to_owned()))
-        // tokio-postgres' messages name the offending part, never the password.
-        .map_err(|e| format!("not a postgres connection string: {e}"))
+        // The messages name the offending part, never the password.
+        .map_err(|e| e.to_string())
 }
 
 fn parse_amqp_url(s: &str) -> Result<SecretUrl, String> {
@@ -205,7 +205,10 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 /// Where the outbox lives.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// Postgres URL or key=value connection string.
+    /// Postgres URL or key=value connection string. For TLS add
+    /// `sslmode=verify-full` (or `require`; either way the certificate and host
+    /// name are verified) and `sslrootcert=<ca.pem>` unless the system's roots
+    /// apply.
     #[arg(
         long,
         env = "OUTBOX_DATABASE_URL",
@@ -224,12 +227,12 @@ pub struct DbArgs {
 
 impl DbArgs {
     /// The connection settings, with the `_FILE` variant applied.
-    pub fn pg_config(&self) -> Result<tokio_postgres::Config, ConfigError> {
+    pub fn database(&self) -> Result<crate::source::Database, ConfigError> {
         let url = match &self.database_url_file {
             Some(path) => read_secret("--database-url-file", path, parse_pg_url)?,
             None => self.database_url.clone(),
         };
-        tokio_postgres::Config::from_str(url.expose()).map_err(|e| ConfigError {
+        crate::source::Database::from_url(url.expose()).map_err(|e| ConfigError {
             flag: "--database-url",
             reason: e.to_string(),
         })
@@ -256,6 +259,20 @@ fn read_secret(
         reason: format!("cannot read {}: {e}", path.display()),
     })?;
     parse(text.trim()).map_err(|reason| ConfigError { flag, reason })
+}
+
+fn read_ca_file(flag: &'static str, path: &PathBuf) -> Result<String, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        flag,
+        reason: format!("cannot read {}: {e}", path.display()),
+    })?;
+    if !text.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(ConfigError {
+            flag,
+            reason: format!("{} holds no PEM certificate", path.display()),
+        });
+    }
+    Ok(text)
 }
 
 /// The broker to publish to.
@@ -314,6 +331,10 @@ pub struct RunArgs {
     /// Read the AMQP URL from this file instead.
     #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
     pub amqp_url_file: Option<PathBuf>,
+    /// Extra CA certificates (PEM) trusted for `amqps://`, besides the
+    /// system's. The broker's certificate and host name are always verified.
+    #[arg(long, env = "OUTBOX_AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<PathBuf>,
     /// Kafka bootstrap servers (host:port, comma-separated).
     #[arg(long, env = "OUTBOX_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub kafka_brokers: String,
@@ -377,6 +398,17 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10,
           value_parser = clap::value_parser!(i32).range(1..))]
     pub max_attempts: i32,
+    /// Keep published messages this long, with their publish time and the
+    /// broker's receipt (Kafka partition and offset, or the AMQP confirm), so
+    /// `locate` can say where each went. "0s" (the default) deletes a row as
+    /// soon as the broker confirms it.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "0s", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// Rows deleted per statement when clearing published messages past
+    /// --retention; small batches keep each delete's locks short.
+    #[arg(long, env = "OUTBOX_RETENTION_CLEANUP_BATCH", default_value_t = 1000,
+          value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    pub retention_cleanup_batch: i64,
     /// Address for /metrics (Prometheus), /healthz and /readyz; "off" disables.
     #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9187", value_parser = parse_http_addr)]
     pub http_addr: HttpAddr,
@@ -420,8 +452,8 @@ pub struct DemoArgs {
 /// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Postgres connection settings (its Debug output hides the password).
-    pub pg: tokio_postgres::Config,
+    /// Postgres connection settings and TLS (Debug output hides the password).
+    pub pg: crate::source::Database,
     /// The outbox schema.
     pub schema: SchemaName,
     /// The broker and how to reach it.
@@ -458,6 +490,10 @@ impl RunArgs {
             Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url)?,
             None => self.amqp_url.clone(),
         };
+        let ca_pem = match &self.amqp_ca_file {
+            Some(path) => Some(read_ca_file("--amqp-ca-file", path)?),
+            None => None,
+        };
         // Validated whichever broker is chosen, so a typo never waits for the
         // day someone switches to Kafka.
         let kafka_properties: Vec<(String, String)> = self
@@ -478,6 +514,7 @@ impl RunArgs {
                 url: amqp_url.expose().to_owned(),
                 confirm_timeout: self.confirm_timeout,
                 connect_timeout: Duration::from_secs(10),
+                ca_pem,
             }),
             BrokerKind::Kafka => Broker::Kafka(crate::publish::kafka::KafkaSettings {
                 brokers: self.kafka_brokers.clone(),
@@ -487,7 +524,7 @@ impl RunArgs {
         };
         Ok(Config {
             http_addr: self.http_addr.0,
-            pg: self.db.pg_config()?,
+            pg: self.db.database()?,
             schema: self.db.schema.clone(),
             broker,
             settings: Settings {
@@ -502,6 +539,8 @@ impl RunArgs {
                 max_attempts: self.max_attempts,
                 park_on_dead_letter: self.dead_letter_order == DeadLetterOrder::Park,
                 lease: self.lease,
+                retention: (!self.retention.is_zero()).then_some(self.retention),
+                retention_cleanup_batch: self.retention_cleanup_batch,
             },
         })
     }

@@ -26,7 +26,7 @@ const EXCHANGE: &str = "outbox.demo";
 
 /// Runs the demo; fails if the consumer's view differs from what was committed.
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let pg = args.db.pg_config()?;
+    let pg = args.db.database()?;
     let schema = args.db.schema.clone();
     crate::migrate(&pg, &schema).await?;
     println!("1. migrated schema {schema}");
@@ -71,7 +71,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .await?;
     println!("2. consumer bound to exchange {EXCHANGE:?} (topic, '#')");
 
-    let (mut client, connection) = pg.connect(tokio_postgres::NoTls).await?;
+    let (mut client, connection) = pg.connect().await?;
     tokio::spawn(connection);
     let outbox = Outbox::with_schema(schema.clone());
     client
@@ -133,6 +133,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         url: args.amqp_url.expose().to_owned(),
         confirm_timeout: Duration::from_secs(30),
         connect_timeout: Duration::from_secs(10),
+        ca_pem: None,
     });
     let shutdown = CancellationToken::new();
     let relay = Relay::new(pg.clone(), schema.clone(), publisher, Settings::default());

@@ -17,10 +17,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::backoff::{delay_for, Backoff};
-use crate::publish::{Envelope, Outcome, Publisher};
+use crate::publish::{Envelope, Outcome, Publisher, Receipt};
 use crate::source::claim::Queries;
 use crate::source::ownership::{self, Owned, OwnershipSettings};
-use crate::source::{self, listener};
+use crate::source::{self, listener, retention, Database};
 use crate::Error;
 
 /// How the relay loop behaves; see the `run` flags for what each default means.
@@ -49,6 +49,11 @@ pub struct Settings {
     pub park_on_dead_letter: bool,
     /// How long a silent replica keeps its partitions (failover bound).
     pub lease: Duration,
+    /// Keep published rows this long with their receipts; `None` deletes them
+    /// on confirm.
+    pub retention: Option<Duration>,
+    /// Rows per delete statement of the retention cleanup.
+    pub retention_cleanup_batch: i64,
 }
 
 impl Default for Settings {
@@ -65,6 +70,8 @@ impl Default for Settings {
             max_attempts: 10,
             park_on_dead_letter: true,
             lease: Duration::from_secs(5),
+            retention: None,
+            retention_cleanup_batch: 1000,
         }
     }
 }
@@ -143,7 +150,7 @@ impl Stats {
 
 /// A relay for one outbox schema and one broker.
 pub struct Relay<P: Publisher> {
-    pg: tokio_postgres::Config,
+    pg: Database,
     schema: SchemaName,
     publisher: Arc<P>,
     settings: Settings,
@@ -153,7 +160,7 @@ pub struct Relay<P: Publisher> {
 struct Worker<P: Publisher> {
     id: usize,
     owned: Owned,
-    pg: tokio_postgres::Config,
+    pg: Database,
     queries: Queries,
     publisher: Arc<P>,
     settings: Settings,
@@ -175,14 +182,17 @@ enum BatchError {
 
 impl<P: Publisher> Relay<P> {
     /// A relay reading `schema` through `pg` and publishing with `publisher`.
+    ///
+    /// A plain `tokio_postgres::Config` connects without TLS unless it requires
+    /// TLS; see [`Database`] for verified TLS from a connection string.
     pub fn new(
-        pg: tokio_postgres::Config,
+        pg: impl Into<Database>,
         schema: SchemaName,
         publisher: P,
         settings: Settings,
     ) -> Self {
         Relay {
-            pg,
+            pg: pg.into(),
             schema,
             publisher: Arc::new(publisher),
             settings,
@@ -206,7 +216,11 @@ impl<P: Publisher> Relay<P> {
     /// Fails only when the outbox schema is missing; lost connections to Postgres
     /// or the broker are retried with capped backoff for as long as it runs.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let queries = Queries::new(&self.schema, self.settings.park_on_dead_letter);
+        let queries = Queries::new(
+            &self.schema,
+            self.settings.park_on_dead_letter,
+            self.settings.retention.is_some(),
+        );
         self.wait_for_schema(&queries, &shutdown).await?;
 
         let (owned_tx, owned) = watch::channel(Arc::new(Vec::new()));
@@ -237,6 +251,16 @@ impl<P: Publisher> Relay<P> {
             Arc::clone(&self.stats),
             shutdown.clone(),
         ));
+        if let Some(retention) = self.settings.retention {
+            tracker.spawn(retention::run(
+                self.pg.clone(),
+                queries.clone(),
+                retention,
+                self.settings.retention_cleanup_batch,
+                self.settings.reconnect_max,
+                shutdown.clone(),
+            ));
+        }
         for id in 0..self.settings.pipeline.max(1) {
             let worker = Worker {
                 id,
@@ -438,7 +462,7 @@ impl<P: Publisher> Worker<P> {
         #[cfg(feature = "mutants")]
         crate::mutants::after_ack();
         let plan = settle_plan(&batch, &outcomes, &self.settings);
-        self.queries.delete(&tx, &plan.delete).await?;
+        self.queries.settle_published(&tx, &plan.published).await?;
         self.queries.fail(&tx, &plan.failed).await?;
         self.queries.dead_letter(&tx, &plan.dead).await?;
         tx.commit().await?;
@@ -459,7 +483,7 @@ impl<P: Publisher> Worker<P> {
 
         self.stats
             .published
-            .fetch_add(plan.delete.len() as u64, Ordering::Relaxed);
+            .fetch_add(plan.published.len() as u64, Ordering::Relaxed);
         record_settled(&batch, &plan);
         self.stats
             .rejected
@@ -481,7 +505,7 @@ impl<P: Publisher> Worker<P> {
         }
         tracing::debug!(
             worker = self.id,
-            published = plan.delete.len(),
+            published = plan.published.len(),
             rejected = plan.failed.len(),
             held = plan.held,
             "batch settled"
@@ -506,7 +530,7 @@ fn count_by_destination(
 }
 
 fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
-    let deleted: HashSet<i64> = plan.delete.iter().copied().collect();
+    let deleted: HashSet<i64> = plan.published.iter().map(|p| p.0).collect();
     let failed: HashSet<i64> = plan.failed.iter().map(|f| f.0).collect();
     let dead: HashSet<i64> = plan.dead.iter().map(|d| d.0).collect();
     count_by_destination(batch, |e| deleted.contains(&e.seq), "published");
@@ -525,7 +549,8 @@ fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
 /// What to do with each row of a published batch.
 #[derive(Debug, Default, PartialEq)]
 struct SettlePlan {
-    delete: Vec<i64>,
+    /// Confirmed rows, with what the broker said.
+    published: Vec<(i64, Receipt)>,
     failed: Vec<(i64, String, Duration)>,
     dead: Vec<(i64, String)>,
     held: usize,
@@ -625,7 +650,7 @@ fn settle_plan(
             continue;
         };
         match outcome {
-            Ok(()) => plan.delete.push(env.seq),
+            Ok(receipt) => plan.published.push((env.seq, receipt.clone())),
             Err(rejection) => {
                 if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
                     plan.dead.push((env.seq, rejection.reason.clone()));
@@ -666,7 +691,8 @@ async fn probe_broker<P: Publisher>(
     }
 }
 
-async fn sleep_or_cancel(d: Duration, shutdown: &CancellationToken) -> bool {
+/// Sleeps for `d`; true when `shutdown` came first.
+pub(crate) async fn sleep_or_cancel(d: Duration, shutdown: &CancellationToken) -> bool {
     tokio::select! {
         _ = shutdown.cancelled() => true,
         _ = tokio::time::sleep(d) => false,
@@ -692,6 +718,10 @@ mod tests {
             created_at: SystemTime::now(),
             attempts: 0,
         }
+    }
+
+    fn seqs(published: &[(i64, Receipt)]) -> Vec<i64> {
+        published.iter().map(|p| p.0).collect()
     }
 
     fn routed(seq: i64, key: &str, rk: &str) -> Envelope {
@@ -728,11 +758,11 @@ mod tests {
         let outcomes = publish_in_waves(&p, &batch).await.expect("published");
         assert!(matches!(outcomes[0], Some(Err(_))));
         assert!(outcomes[1].is_none(), "k's second message must not be sent");
-        assert!(matches!(outcomes[2], Some(Ok(()))));
+        assert!(matches!(outcomes[2], Some(Ok(_))));
         let sent: Vec<i64> = p.published().iter().map(|e| e.seq).collect();
         assert_eq!(sent, vec![3]);
         let plan = settle_plan(&batch, &outcomes, &Settings::default());
-        assert_eq!(plan.delete, vec![3]);
+        assert_eq!(seqs(&plan.published), vec![3]);
         assert_eq!(plan.held, 1);
     }
 
@@ -748,17 +778,17 @@ mod tests {
         ];
         let outcomes: Vec<Option<Outcome>> = vec![
             Err(Rejection::retryable("no route")),
-            Ok(()),
-            Ok(()),
+            Ok(Receipt::Memory),
+            Ok(Receipt::Memory),
             Err(Rejection::retryable("nack")),
-            Ok(()),
-            Ok(()),
+            Ok(Receipt::Memory),
+            Ok(Receipt::Memory),
         ]
         .into_iter()
         .map(Some)
         .collect();
         let plan = settle_plan(&batch, &outcomes, &Settings::default());
-        assert_eq!(plan.delete, vec![2, 6]);
+        assert_eq!(seqs(&plan.published), vec![2, 6]);
         assert_eq!(
             plan.failed.iter().map(|f| f.0).collect::<Vec<_>>(),
             vec![1, 4]

@@ -123,12 +123,12 @@ async fn serve_relay<P: publish::Publisher>(
     relay.run(shutdown).await
 }
 
-/// Connects to Postgres with `config` and applies the migrations to `schema`.
+/// Connects to Postgres through `db` and applies the migrations to `schema`.
 pub async fn migrate(
-    config: &tokio_postgres::Config,
+    db: &source::Database,
     schema: &outbox_client::SchemaName,
 ) -> Result<(), Error> {
-    let (mut client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    let (mut client, connection) = db.connect().await?;
     let driver = tokio::spawn(connection);
     outbox_client::migrate(&mut client, schema.as_str()).await?;
     drop(client);

@@ -44,6 +44,9 @@ pub const CONNECTION_UP: &str = "outbox_connection_up";
 /// 1 while this replica is ready (see `/readyz`).
 pub const READY: &str = "outbox_ready";
 
+/// Published rows deleted by the retention cleanup (retention mode only).
+pub const RETENTION_DELETED: &str = "outbox_retention_deleted_total";
+
 /// Every metric the relay exports.
 pub const ALL: &[&str] = &[
     MESSAGES,
@@ -58,6 +61,7 @@ pub const ALL: &[&str] = &[
     PARTITIONS_UNOWNED,
     CONNECTION_UP,
     READY,
+    RETENTION_DELETED,
 ];
 
 /// Installs the Prometheus recorder for this process.
@@ -126,7 +130,7 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, crate::co
 /// Refreshes the gauges that come from the database (backlog, oldest pending
 /// age, dead letters, parked keys) and the readiness gauge, every `every`.
 pub async fn collect(
-    pg: tokio_postgres::Config,
+    pg: crate::source::Database,
     schema: SchemaName,
     stats: Arc<Stats>,
     every: Duration,

@@ -608,13 +608,57 @@ pub async fn locate(
             id,
         ));
     }
+    // Retention mode keeps published rows; the newest wins if an id was reused.
+    if let Some(r) = client
+        .query_opt(
+            &format!(
+                "SELECT destination, ordering_key, attempts, published_at, receipt FROM {s}.published \
+                 WHERE message_id = $1 ORDER BY published_at DESC LIMIT 1"
+            ),
+            &[&id],
+        )
+        .await?
+    {
+        let published_at: SystemTime = r.get(3);
+        return Ok(with_id(
+            json!({
+                "state": "published",
+                "destination": r.get::<_, String>(0),
+                "key": r.get::<_, Option<String>>(1),
+                "attempts": r.get::<_, i32>(2),
+                "published_at": humantime::format_rfc3339_millis(published_at).to_string(),
+                "published_age_s": age_secs(Some(published_at)),
+                "receipt": r.get::<_, serde_json::Value>(4),
+            }),
+            id,
+        ));
+    }
     Ok(with_id(
         json!({
             "state": "unknown",
-            "why": "not in the outbox or the dead letters: published (rows are deleted once the broker confirms) or never committed",
+            "why": "not in the outbox, the dead letters or the retained published rows: published and deleted (without --retention, rows go once the broker confirms), or never committed",
         }),
         id,
     ))
+}
+
+/// "kafka partition 3 offset 17" or "rabbitmq confirm ack (exchange ...)".
+fn receipt_text(r: &serde_json::Value) -> String {
+    match r["broker"].as_str() {
+        Some("kafka") => format!(
+            "kafka topic {:?} partition {} offset {}",
+            r["topic"].as_str().unwrap_or(""),
+            r["partition"],
+            r["offset"]
+        ),
+        Some("rabbitmq") => format!(
+            "rabbitmq confirm {} (exchange {:?}, routing key {:?})",
+            r["confirm"].as_str().unwrap_or(""),
+            r["exchange"].as_str().unwrap_or(""),
+            r["routing_key"].as_str().unwrap_or("")
+        ),
+        _ => r.to_string(),
+    }
 }
 
 fn with_id(mut v: serde_json::Value, id: Uuid) -> serde_json::Value {
@@ -644,6 +688,14 @@ pub fn locate_text(v: &serde_json::Value) -> String {
             human_age(v["dead_age_s"].as_f64()),
             v["attempts"],
             v["last_error"].as_str().unwrap_or("")
+        ),
+        Some("published") => format!(
+            "{id}: published to {:?} (key {}) at {} ({} ago), receipt {}\n",
+            v["destination"].as_str().unwrap_or(""),
+            v["key"].as_str().unwrap_or("-"),
+            v["published_at"].as_str().unwrap_or(""),
+            human_age(v["published_age_s"].as_f64()),
+            receipt_text(&v["receipt"]),
         ),
         _ => format!("{id}: unknown: {}\n", v["why"].as_str().unwrap_or("")),
     }

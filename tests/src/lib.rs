@@ -83,6 +83,7 @@ impl InProcessRelay {
                 url: amqp_url(),
                 confirm_timeout: std::time::Duration::from_secs(10),
                 connect_timeout: std::time::Duration::from_secs(5),
+                ca_pem: None,
             },
         );
         Self::with(db, publisher, settings)

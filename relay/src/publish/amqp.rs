@@ -17,13 +17,14 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use futures::future::join_all;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
 use tokio::sync::Mutex;
 
-use super::{Envelope, Outcome, PublishError, Publisher, Rejection};
+use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
 use crate::redact::redact_url;
 
 /// Name accepted as an alias of the default exchange (`""`), which an outbox
@@ -42,6 +43,9 @@ pub struct AmqpSettings {
     pub confirm_timeout: Duration,
     /// Longest wait for a TCP + AMQP handshake.
     pub connect_timeout: Duration,
+    /// Extra trusted CA certificates (PEM) for `amqps://`, besides the
+    /// system's. The server's certificate and host name are always verified.
+    pub ca_pem: Option<String>,
 }
 
 impl std::fmt::Debug for AmqpSettings {
@@ -50,6 +54,7 @@ impl std::fmt::Debug for AmqpSettings {
             .field("url", &redact_url(&self.url))
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
             .finish()
     }
 }
@@ -94,8 +99,17 @@ impl AmqpPublisher {
 
     async fn connect(&self) -> Result<Link, PublishError> {
         let connect = async {
-            let connection =
-                Connection::connect(&self.settings.url, ConnectionProperties::default()).await?;
+            let tls = OwnedTLSConfig {
+                identity: None,
+                cert_chain: self.settings.ca_pem.clone(),
+            };
+            let connection = Connection::connect_with_config(
+                &self.settings.url,
+                ConnectionProperties::default(),
+                tls,
+                lapin::runtime::default_runtime()?,
+            )
+            .await?;
             let channel = connection.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
@@ -300,7 +314,10 @@ impl Publisher for AmqpPublisher {
             };
         for (i, answer) in answers {
             outcomes[i] = Some(match answer {
-                Ok(Confirmation::Ack(None)) => Ok(()),
+                Ok(Confirmation::Ack(None)) => Ok(Receipt::Amqp {
+                    exchange: exchange_name(&batch[i].destination).to_owned(),
+                    routing_key: batch[i].routing_key.clone(),
+                }),
                 Ok(Confirmation::Ack(Some(returned))) => Err(Rejection::retryable(format!(
                     "unroutable: returned by rabbitmq ({} {})",
                     returned.reply_code, returned.reply_text

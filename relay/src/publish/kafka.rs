@@ -21,7 +21,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use super::{Envelope, Outcome, PublishError, Publisher, Rejection};
+use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
 
 /// Settings for [`KafkaPublisher`].
 #[derive(Clone)]
@@ -246,7 +246,11 @@ impl Publisher for KafkaPublisher {
         let mut batch_error = None;
         for (i, report) in join_all(pending).await {
             outcomes[i] = Some(match report {
-                Ok(Ok(_delivery)) => Ok(()),
+                Ok(Ok(delivery)) => Ok(Receipt::Kafka {
+                    topic: batch[i].destination.clone(),
+                    partition: delivery.partition,
+                    offset: delivery.offset,
+                }),
                 Ok(Err((e, _))) => match rejection(&e) {
                     Some(r) => Err(r),
                     None => {

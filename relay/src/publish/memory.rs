@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use uuid::Uuid;
 
-use super::{Envelope, Outcome, PublishError, Publisher, Rejection};
+use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
 
 #[derive(Debug, Default)]
 struct State {
@@ -84,7 +84,7 @@ impl Publisher for MemoryPublisher {
                 outcomes.push(Err(r.clone()));
             } else {
                 state.published.push(env.clone());
-                outcomes.push(Ok(()));
+                outcomes.push(Ok(Receipt::Memory));
             }
         }
         Ok(outcomes)

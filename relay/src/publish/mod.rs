@@ -67,8 +67,60 @@ impl Rejection {
     }
 }
 
+/// What the broker said when it took a message: kept with the row in
+/// retention mode (`--retention`) and shown by `outbox-relay locate`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Receipt {
+    /// A RabbitMQ publisher confirm: an Ack with no `basic.return` before it.
+    Amqp {
+        /// The exchange the message was published to (`""` is the default one).
+        exchange: String,
+        /// Its routing key.
+        routing_key: String,
+    },
+    /// A Kafka delivery report without error.
+    Kafka {
+        /// The topic.
+        topic: String,
+        /// The partition the record was written to.
+        partition: i32,
+        /// Its offset in that partition.
+        offset: i64,
+    },
+    /// The in-memory publisher's acceptance (tests and embedders).
+    Memory,
+}
+
+impl Receipt {
+    /// The receipt as stored in the `published.receipt` column.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            Receipt::Amqp {
+                exchange,
+                routing_key,
+            } => serde_json::json!({
+                "broker": "rabbitmq",
+                "confirm": "ack",
+                "exchange": exchange,
+                "routing_key": routing_key,
+            }),
+            Receipt::Kafka {
+                topic,
+                partition,
+                offset,
+            } => serde_json::json!({
+                "broker": "kafka",
+                "topic": topic,
+                "partition": partition,
+                "offset": offset,
+            }),
+            Receipt::Memory => serde_json::json!({ "broker": "memory" }),
+        }
+    }
+}
+
 /// The broker's answer for one message of a batch, in batch order.
-pub type Outcome = Result<(), Rejection>;
+pub type Outcome = Result<Receipt, Rejection>;
 
 /// The whole batch could not be published: the broker is unreachable, the
 /// connection dropped, or confirms did not arrive in time. Every message of the

@@ -19,7 +19,7 @@ use outbox_client::SchemaName;
 use tokio_postgres::{Row, Transaction};
 use uuid::Uuid;
 
-use crate::publish::Envelope;
+use crate::publish::{Envelope, Receipt};
 
 /// The SQL text for one schema, built once.
 #[derive(Debug, Clone)]
@@ -30,15 +30,19 @@ pub struct Queries {
     dead_letter: String,
     note_batch_error: String,
     exists: String,
+    retain: Option<String>,
+    purge: String,
 }
 
 impl Queries {
     /// Statements for the outbox in `schema`. With `park`, a dead-lettered
     /// message holds back the later messages of its key until it is retried or
-    /// discarded; without, they go ahead.
-    pub fn new(schema: &SchemaName, park: bool) -> Self {
+    /// discarded; without, they go ahead. With `retain`, confirmed rows move
+    /// to the `published` table with their receipts instead of being deleted.
+    pub fn new(schema: &SchemaName, park: bool, retain: bool) -> Self {
         let t = format!("{}.messages", schema.quoted());
         let dl = format!("{}.dead_letters", schema.quoted());
+        let pb = format!("{}.published", schema.quoted());
         let parked = if park {
             format!(
                 " AND NOT EXISTS (SELECT 1 FROM {dl} d \
@@ -85,6 +89,26 @@ impl Queries {
                 "UPDATE {t} SET last_error = $2, last_attempt_at = now() WHERE seq = ANY($1)"
             ),
             exists: format!("SELECT 1 FROM {t} LIMIT 0"),
+            // statement_timestamp(): when the settle ran, after the confirms
+            // arrived (now() would be the claim's time, before publishing).
+            retain: retain.then(|| {
+                format!(
+                    "WITH r AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS r(seq, receipt)), \
+                     moved AS (DELETE FROM {t} m USING r WHERE m.seq = r.seq RETURNING m.*, r.receipt) \
+                     INSERT INTO {pb} (seq, message_id, destination, ordering_key, routing_key, headers, \
+                                       payload, content_type, created_at, attempts, published_at, receipt) \
+                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
+                            content_type, created_at, attempts, statement_timestamp(), receipt::jsonb \
+                     FROM moved"
+                )
+            }),
+            // SKIP LOCKED: two replicas cleaning at once split the work instead
+            // of queueing on each other's rows.
+            purge: format!(
+                "DELETE FROM {pb} WHERE seq IN ( \
+                    SELECT seq FROM {pb} WHERE published_at < now() - make_interval(secs => $1) \
+                    ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            ),
         }
     }
 
@@ -120,6 +144,40 @@ impl Queries {
             return Ok(0);
         }
         tx.execute(self.delete.as_str(), &[&seqs]).await
+    }
+
+    /// Settles rows the broker confirmed: deletes them, or in retention mode
+    /// moves them to `published` with their receipts.
+    pub async fn settle_published(
+        &self,
+        tx: &Transaction<'_>,
+        published: &[(i64, Receipt)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if published.is_empty() {
+            return Ok(0);
+        }
+        let seqs: Vec<i64> = published.iter().map(|p| p.0).collect();
+        let Some(retain) = &self.retain else {
+            return tx.execute(self.delete.as_str(), &[&seqs]).await;
+        };
+        let receipts: Vec<String> = published
+            .iter()
+            .map(|p| p.1.to_json().to_string())
+            .collect();
+        tx.execute(retain.as_str(), &[&seqs, &receipts]).await
+    }
+
+    /// Deletes up to `limit` published rows older than `retention`; returns
+    /// how many went.
+    pub async fn purge_published(
+        &self,
+        client: &tokio_postgres::Client,
+        retention: Duration,
+        limit: i64,
+    ) -> Result<u64, tokio_postgres::Error> {
+        client
+            .execute(self.purge.as_str(), &[&retention.as_secs_f64(), &limit])
+            .await
     }
 
     /// Records one attempt's failure per row and schedules the next attempt.

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio_postgres::{AsyncMessage, Config, NoTls};
+use tokio_postgres::AsyncMessage;
+
+use super::Database;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -17,7 +19,7 @@ use crate::backoff::Backoff;
 /// Keeps a LISTEN connection open until `shutdown`, reconnecting with capped
 /// backoff. Each notification bumps `wake`; waiters coalesce however many arrive.
 pub async fn run(
-    config: Config,
+    config: Database,
     channel: String,
     wake: Arc<watch::Sender<u64>>,
     reconnect_max: Duration,
@@ -40,12 +42,12 @@ pub async fn run(
 }
 
 async fn listen_once(
-    config: &Config,
+    config: &Database,
     channel: &str,
     wake: &Arc<watch::Sender<u64>>,
     shutdown: &CancellationToken,
 ) -> Result<(), ListenError> {
-    let (client, mut connection) = config.connect(NoTls).await?;
+    let (client, mut connection) = config.connect().await?;
     // The Connection future must be polled through poll_message: awaiting it as a
     // whole (the usual spawn) would drop every notification on the floor.
     let notifier = Arc::clone(wake);

@@ -3,14 +3,20 @@
 //! - [`listener`] turns NOTIFYs into wake-ups; polling covers anything it misses.
 //! - [`claim`] holds the SQL that claims a batch and settles it afterwards.
 //! - [`ownership`] shares the 64 virtual partitions between replicas.
+//! - [`database`] holds the connection settings and the TLS policy.
+//! - [`retention`] clears published rows past `--retention`.
 
 pub mod claim;
+pub mod database;
 pub mod listener;
 pub mod ownership;
+pub mod retention;
 
 use std::time::Duration;
 
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::Client;
+
+pub use database::Database;
 
 /// Opens a connection for the relay's own use and drives it in the background.
 ///
@@ -23,16 +29,8 @@ use tokio_postgres::{Client, Config, NoTls};
 /// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
 /// server ends the session, releases the rows, and the relay's own late delete
 /// fails with it, so it can never settle rows someone else has since claimed.
-pub async fn connect(
-    config: &Config,
-    hold_limit: Duration,
-) -> Result<Client, tokio_postgres::Error> {
-    let (client, connection) = config.connect(NoTls).await?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "postgres connection ended");
-        }
-    });
+pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, tokio_postgres::Error> {
+    let client = db.connect_spawned().await?;
     client
         .batch_execute(&format!(
             "SET application_name = 'outbox-relay'; \

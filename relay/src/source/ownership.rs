@@ -22,7 +22,9 @@ use std::time::Duration;
 use outbox_client::SchemaName;
 use rand::seq::SliceRandom;
 use tokio::sync::watch;
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::Client;
+
+use super::Database;
 use tokio_util::sync::CancellationToken;
 
 use std::sync::atomic::Ordering;
@@ -78,7 +80,7 @@ pub struct OwnershipSettings {
 /// owned set through `owned`. While the ownership session is down, the set is
 /// empty and the replica claims nothing.
 pub async fn run(
-    pg: Config,
+    pg: Database,
     schema: SchemaName,
     settings: OwnershipSettings,
     owned: watch::Sender<Arc<Vec<i16>>>,
@@ -106,14 +108,14 @@ pub async fn run(
 }
 
 async fn own(
-    pg: &Config,
+    pg: &Database,
     schema: &SchemaName,
     settings: &OwnershipSettings,
     owned: &watch::Sender<Arc<Vec<i16>>>,
     stats: &Stats,
     shutdown: &CancellationToken,
 ) -> Result<(), tokio_postgres::Error> {
-    let (client, connection) = pg.connect(NoTls).await?;
+    let (client, connection) = pg.connect().await?;
     let mut driver = tokio::spawn(connection);
     let keys = LockKeys::fetch(&client, schema).await?;
     let lease_ms = settings.lease.as_millis().max(100);

@@ -1,0 +1,301 @@
+//! How the relay reaches Postgres: the connection settings and TLS.
+//!
+//! TLS is on when the connection string asks for it with `sslmode=require`,
+//! `verify-ca` or `verify-full`, and it is then always verified: the server's
+//! certificate must chain to a trusted root and name the host connected to.
+//! The roots are the file given as `sslrootcert=<path>` (PEM), or else the
+//! system's. The relay never encrypts without verifying, so `require` and
+//! `verify-ca` are as strict as `verify-full`; `disable` and `prefer` (the
+//! default) connect in plain text.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+use tokio_postgres::config::SslMode;
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::{Client, Config, Connection, Socket};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+/// The TLS stream type of relay connections (plain text when TLS is off).
+pub type PgStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
+
+/// Postgres connection settings plus the TLS policy derived from them.
+#[derive(Clone)]
+pub struct Database {
+    config: Config,
+    tls: MakeRustlsConnect,
+    verify: Option<Roots>,
+}
+
+/// Where the trusted roots came from, for logs and `Debug`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Roots {
+    File(PathBuf),
+    System,
+}
+
+/// A connection string the relay cannot use.
+#[derive(Debug, thiserror::Error)]
+pub enum DatabaseError {
+    /// The connection string itself does not parse.
+    #[error("not a postgres connection string: {0}")]
+    Parse(#[source] tokio_postgres::Error),
+    /// `sslmode` has a value libpq does not define.
+    #[error("sslmode {0:?} is not one of disable, prefer, require, verify-ca, verify-full")]
+    SslMode(String),
+    /// The `sslrootcert` file cannot be read or holds no certificate.
+    #[error("sslrootcert {path}: {reason}")]
+    RootCert {
+        /// The file named in the connection string.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl Database {
+    /// Parses a libpq-style connection string (URL or `key=value` form),
+    /// including `sslmode` and `sslrootcert`.
+    pub fn from_url(url: &str) -> Result<Database, DatabaseError> {
+        let (rest, mode, rootcert) = take_tls_params(url);
+        let mut config = Config::from_str(&rest).map_err(DatabaseError::Parse)?;
+        let verify = match mode.as_deref() {
+            None | Some("disable") | Some("prefer") => None,
+            Some("require") | Some("verify-ca") | Some("verify-full") => Some(match rootcert {
+                Some(path) => Roots::File(PathBuf::from(path)),
+                None => Roots::System,
+            }),
+            Some(other) => return Err(DatabaseError::SslMode(other.to_owned())),
+        };
+        config.ssl_mode(if verify.is_some() {
+            SslMode::Require
+        } else {
+            SslMode::Disable
+        });
+        let tls = MakeRustlsConnect::new(client_config(verify.as_ref())?);
+        Ok(Database {
+            config,
+            tls,
+            verify,
+        })
+    }
+
+    /// The parsed settings (host, user, database...).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Whether connections use verified TLS.
+    pub fn tls(&self) -> bool {
+        self.verify.is_some()
+    }
+
+    /// Opens a connection; the caller drives the returned `Connection`.
+    pub async fn connect(
+        &self,
+    ) -> Result<(Client, Connection<Socket, PgStream>), tokio_postgres::Error> {
+        self.config.connect(self.tls.clone()).await
+    }
+
+    /// Opens a connection and drives it in the background.
+    pub async fn connect_spawned(&self) -> Result<Client, tokio_postgres::Error> {
+        let (client, connection) = self.connect().await?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "postgres connection ended");
+            }
+        });
+        Ok(client)
+    }
+}
+
+/// Plain text, as tokio-postgres' `NoTls` would: for configs built in code.
+/// A config that requires TLS gets it, verified against the system's roots.
+impl From<Config> for Database {
+    fn from(mut config: Config) -> Database {
+        let verify = (config.get_ssl_mode() == SslMode::Require).then_some(Roots::System);
+        if verify.is_none() {
+            config.ssl_mode(SslMode::Disable);
+        }
+        // Only a root file can make client_config fail, and there is none here;
+        // unloadable system roots leave an empty store, so handshakes fail
+        // verification rather than pass unverified.
+        let tls = MakeRustlsConnect::new(
+            client_config(verify.as_ref()).expect("system roots and ring's protocol versions"),
+        );
+        Database {
+            config,
+            tls,
+            verify,
+        }
+    }
+}
+
+impl fmt::Debug for Database {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Config's Debug already hides the password.
+        f.debug_struct("Database")
+            .field("config", &self.config)
+            .field("tls", &self.verify)
+            .finish()
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn client_config(verify: Option<&Roots>) -> Result<rustls::ClientConfig, DatabaseError> {
+    let mut roots = rustls::RootCertStore::empty();
+    match verify {
+        None => {}
+        Some(Roots::System) => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+        Some(Roots::File(path)) => {
+            for cert in read_pem(path)? {
+                roots.add(cert).map_err(|e| DatabaseError::RootCert {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+            }
+        }
+    }
+    Ok(rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| DatabaseError::RootCert {
+            path: PathBuf::new(),
+            reason: e.to_string(),
+        })?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+fn read_pem(path: &Path) -> Result<Vec<CertificateDer<'static>>, DatabaseError> {
+    let err = |reason: String| DatabaseError::RootCert {
+        path: path.to_owned(),
+        reason,
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| err(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| err(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(err("no PEM certificate in the file".into()));
+    }
+    Ok(certs)
+}
+
+/// Removes `sslmode` and `sslrootcert` from a connection string (tokio-postgres
+/// knows neither `verify-*` nor `sslrootcert`) and returns them.
+fn take_tls_params(url: &str) -> (String, Option<String>, Option<String>) {
+    let mut mode = None;
+    let mut rootcert = None;
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let Some((base, query)) = url.split_once('?') else {
+            return (url.to_owned(), None, None);
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&') {
+            match pair.split_once('=') {
+                Some(("sslmode", v)) => mode = Some(percent_decode(v)),
+                Some(("sslrootcert", v)) => rootcert = Some(percent_decode(v)),
+                _ => kept.push(pair),
+            }
+        }
+        let rest = if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        (rest, mode, rootcert)
+    } else {
+        // key=value form; values with spaces must be quoted, which this keeps.
+        let mut kept = Vec::new();
+        for word in url.split_whitespace() {
+            match word.split_once('=') {
+                Some(("sslmode", v)) => mode = Some(v.trim_matches('\'').to_owned()),
+                Some(("sslrootcert", v)) => rootcert = Some(v.trim_matches('\'').to_owned()),
+                _ => kept.push(word),
+            }
+        }
+        (kept.join(" "), mode, rootcert)
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Ok(b) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_parameters_are_taken_out_of_urls_and_key_value_strings() {
+        let (rest, mode, root) = take_tls_params(
+            "postgres://u:p@db.internal:5432/app?sslmode=verify-full&sslrootcert=%2Fetc%2Fca.pem&application_name=x",
+        );
+        assert_eq!(
+            rest,
+            "postgres://u:p@db.internal:5432/app?application_name=x"
+        );
+        assert_eq!(mode.as_deref(), Some("verify-full"));
+        assert_eq!(root.as_deref(), Some("/etc/ca.pem"));
+        let (rest, mode, root) =
+            take_tls_params("host=db user=u sslmode=require sslrootcert=/ca.pem dbname=app");
+        assert_eq!(rest, "host=db user=u dbname=app");
+        assert_eq!(mode.as_deref(), Some("require"));
+        assert_eq!(root.as_deref(), Some("/ca.pem"));
+        assert_eq!(
+            take_tls_params("postgres://localhost/app"),
+            ("postgres://localhost/app".to_owned(), None, None)
+        );
+    }
+
+    #[test]
+    fn tls_is_on_only_when_asked_and_then_verified() {
+        assert!(!Database::from_url("postgres://localhost/app")
+            .expect("url")
+            .tls());
+        assert!(
+            !Database::from_url("postgres://localhost/app?sslmode=prefer")
+                .expect("url")
+                .tls()
+        );
+        assert!(
+            Database::from_url("postgres://localhost/app?sslmode=verify-full")
+                .expect("url")
+                .tls()
+        );
+        assert!(matches!(
+            Database::from_url("postgres://localhost/app?sslmode=allow-anything"),
+            Err(DatabaseError::SslMode(_))
+        ));
+        let missing = Database::from_url(
+            "postgres://localhost/app?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+        );
+        assert!(
+            matches!(&missing, Err(DatabaseError::RootCert { path, .. }) if path == Path::new("/nonexistent/ca.pem")),
+            "{missing:?}"
+        );
+    }
+}

@@ -1,0 +1,92 @@
+//! Retention mode: published rows are kept with their receipts for a while,
+//! then deleted here.
+//!
+//! Each pass deletes in statements of at most `batch` rows, each its own short
+//! transaction, oldest first, skipping rows another replica's cleanup holds. A
+//! large backlog of expired rows therefore never holds many locks or one long
+//! transaction, and the relay's claims and settles are never queued behind it.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::claim::Queries;
+use crate::backoff::Backoff;
+
+/// How often expired rows are looked for: a tenth of the retention, between
+/// one second and one minute.
+pub fn interval(retention: Duration) -> Duration {
+    (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60))
+}
+
+/// Deletes published rows past `retention` until `shutdown`.
+pub async fn run(
+    pg: super::Database,
+    queries: Queries,
+    retention: Duration,
+    batch: i64,
+    reconnect_max: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut backoff = Backoff::new(Duration::from_millis(200), reconnect_max);
+    while !shutdown.is_cancelled() {
+        let client = match super::connect(&pg, Duration::from_secs(60)).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "retention cleanup cannot reach postgres");
+                if crate::engine::sleep_or_cancel(backoff.next_delay(), &shutdown).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        backoff.reset();
+        loop {
+            match purge_expired(&client, &queries, retention, batch, &shutdown).await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(deleted = n, "published rows past retention deleted"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "retention cleanup failed; reconnecting");
+                    break;
+                }
+            }
+            if crate::engine::sleep_or_cancel(interval(retention), &shutdown).await {
+                return;
+            }
+        }
+    }
+}
+
+/// One pass: batches until fewer than `batch` rows were due.
+async fn purge_expired(
+    client: &tokio_postgres::Client,
+    queries: &Queries,
+    retention: Duration,
+    batch: i64,
+    shutdown: &CancellationToken,
+) -> Result<u64, tokio_postgres::Error> {
+    let mut total = 0;
+    loop {
+        let n = queries.purge_published(client, retention, batch).await?;
+        total += n;
+        metrics::counter!(crate::metrics::RETENTION_DELETED).increment(n);
+        if n < u64::try_from(batch).unwrap_or(u64::MAX) || shutdown.is_cancelled() {
+            return Ok(total);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cleanup_interval_follows_retention_within_bounds() {
+        assert_eq!(interval(Duration::from_secs(2)), Duration::from_secs(1));
+        assert_eq!(interval(Duration::from_secs(100)), Duration::from_secs(10));
+        assert_eq!(
+            interval(Duration::from_secs(86_400)),
+            Duration::from_secs(60)
+        );
+    }
+}
