@@ -251,6 +251,8 @@ impl<P: Publisher> Relay<P> {
             Arc::clone(&self.stats),
             shutdown.clone(),
         ));
+        // Exported from the start, so a dashboard reads 0 rather than nothing.
+        metrics::counter!(crate::metrics::RETENTION_DELETED).increment(0);
         if let Some(retention) = self.settings.retention {
             tracker.spawn(retention::run(
                 self.pg.clone(),

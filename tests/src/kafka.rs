@@ -31,8 +31,26 @@ pub struct Record {
 
 /// Creates `topic` with `partitions` partitions on `brokers`.
 pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    create_topic_with(brokers, &[], topic, partitions).await;
+}
+
+fn client_config(brokers: &str, properties: &[(&str, &str)]) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (k, v) in properties {
+        config.set(*k, *v);
+    }
+    config
+}
+
+/// [`create_topic`] with extra client properties (e.g. TLS).
+pub async fn create_topic_with(
+    brokers: &str,
+    properties: &[(&str, &str)],
+    topic: &str,
+    partitions: i32,
+) {
+    let admin: AdminClient<DefaultClientContext> = client_config(brokers, properties)
         .create()
         .expect("admin client");
     let results = admin
@@ -66,9 +84,25 @@ impl Fixture {
 
     /// Starts consuming an existing topic's `partitions` from the beginning.
     pub fn consume(brokers: &str, topic: &str, partitions: i32) -> Fixture {
+        Fixture::consume_with(brokers, &[], topic, partitions)
+    }
+
+    /// [`Fixture::new`] with extra client properties (e.g. TLS).
+    pub async fn new_with(brokers: &str, properties: &[(&str, &str)], partitions: i32) -> Fixture {
+        let topic = crate::unique("t");
+        create_topic_with(brokers, properties, &topic, partitions).await;
+        Fixture::consume_with(brokers, properties, &topic, partitions)
+    }
+
+    /// [`Fixture::consume`] with extra client properties (e.g. TLS).
+    pub fn consume_with(
+        brokers: &str,
+        properties: &[(&str, &str)],
+        topic: &str,
+        partitions: i32,
+    ) -> Fixture {
         let topic = topic.to_owned();
-        let consumer: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers)
+        let consumer: StreamConsumer = client_config(brokers, properties)
             .set("group.id", crate::unique("g"))
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")

@@ -10,6 +10,8 @@ pub mod db;
 pub mod kafka;
 pub mod process;
 pub mod proxy;
+pub mod sink;
+pub mod tls;
 pub mod workload;
 
 /// Postgres URL for tests.
@@ -116,8 +118,18 @@ impl InProcessRelay {
         publisher: P,
         settings: outbox_relay::Settings,
     ) -> InProcessRelay {
-        let relay =
-            outbox_relay::Relay::new(db.config.clone(), db.schema.clone(), publisher, settings);
+        Self::on(db.config.clone(), db, publisher, settings)
+    }
+
+    /// Starts a relay on `db`'s schema that reaches Postgres through
+    /// `database` (e.g. a TLS connection string).
+    pub fn on<P: outbox_relay::publish::Publisher>(
+        database: impl Into<outbox_relay::source::Database>,
+        db: &db::TestDb,
+        publisher: P,
+        settings: outbox_relay::Settings,
+    ) -> InProcessRelay {
+        let relay = outbox_relay::Relay::new(database, db.schema.clone(), publisher, settings);
         let stats = relay.stats();
         let shutdown = tokio_util::sync::CancellationToken::new();
         let task = tokio::spawn(relay.run(shutdown.clone()));

@@ -138,3 +138,30 @@ impl Tansu {
         let _ = self.child.kill().await;
     }
 }
+
+/// A private tansu that advertises a proxy's port, with the proxy in front of
+/// it: every Kafka connection, the relay's and the consumers', crosses the
+/// proxy, so cutting it cuts the broker off. Returns the broker, the proxy
+/// and the bootstrap address to use.
+pub async fn tansu_behind_proxy() -> (Tansu, crate::proxy::Proxy, String) {
+    let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind proxy");
+    let proxy_port = proxy_listener.local_addr().expect("addr").port();
+    let broker_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port");
+    let tansu = Tansu::start(broker_port, proxy_port);
+    let proxy = crate::proxy::Proxy::start_on(proxy_listener, &format!("127.0.0.1:{broker_port}"));
+    assert!(
+        crate::eventually(std::time::Duration::from_secs(30), || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", broker_port))
+                .await
+                .is_ok()
+        })
+        .await,
+        "private tansu did not start"
+    );
+    (tansu, proxy, format!("127.0.0.1:{proxy_port}"))
+}

@@ -232,26 +232,7 @@ async fn kafka_conforms() {
     outbox_tests::init_logging();
     // A private broker that advertises the proxy, so every connection goes
     // through it (see kafka_e2e's outage test).
-    let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let proxy_port = proxy_listener.local_addr().expect("addr").port();
-    let broker_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port");
-    let tansu = Tansu::start(broker_port, proxy_port);
-    let proxy = Proxy::start_on(proxy_listener, &format!("127.0.0.1:{broker_port}"));
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", broker_port))
-                .await
-                .is_ok()
-        })
-        .await,
-        "private tansu did not start"
-    );
-    let brokers = format!("127.0.0.1:{proxy_port}");
+    let (tansu, proxy, brokers) = outbox_tests::process::tansu_behind_proxy().await;
     let kafka = Kafka {
         publisher: KafkaPublisher::new(KafkaSettings {
             brokers: brokers.clone(),

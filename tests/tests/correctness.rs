@@ -13,13 +13,13 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_tests::amqp::Fixture;
 use outbox_tests::check::{check, record, Report};
 use outbox_tests::db::TestDb;
-use outbox_tests::process::RelayProcess;
+use outbox_tests::eventually;
+use outbox_tests::process::{tansu_behind_proxy, RelayProcess};
 use outbox_tests::proxy::{Mode, Proxy};
+use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec, Written};
-use outbox_tests::{eventually, seen_amqp};
 use rand::Rng;
 
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
@@ -36,43 +36,46 @@ fn scale(ci: usize) -> usize {
     }
 }
 
-fn env_for(db: &TestDb, amqp_url: &str) -> Vec<(&'static str, String)> {
-    vec![
+/// The relay's environment for `db` and `sink`; `via` is a proxy's address in
+/// front of the broker, if any.
+fn env_for(db: &TestDb, sink: &Sink, via: Option<&str>) -> Vec<(&'static str, String)> {
+    let mut env = vec![
         ("OUTBOX_SCHEMA", db.schema.to_string()),
-        ("OUTBOX_AMQP_URL", amqp_url.to_owned()),
         ("OUTBOX_BATCH_SIZE", BATCH.to_string()),
         ("OUTBOX_PIPELINE", PIPELINE.to_string()),
         ("OUTBOX_POLL_INTERVAL", "200ms".into()),
         ("OUTBOX_RECONNECT_MAX", "1s".into()),
         ("OUTBOX_CONFIRM_TIMEOUT", "3s".into()),
         ("OUTBOX_HOLD_LIMIT", "10s".into()),
-    ]
+    ];
+    env.extend(sink.relay_env(via));
+    env
 }
 
-fn spec(rabbit: &Fixture, messages: usize) -> Spec {
+fn spec(sink: &Sink, messages: usize) -> Spec {
     Spec {
         max_commit_delay: Duration::from_millis(10),
-        ..Spec::new(&rabbit.exchange, 6, 60, messages)
+        ..Spec::new(sink.destination(), 6, 60, messages)
     }
 }
 
 /// Waits for the outbox to drain and the consumer to catch up, then checks.
-async fn settle(db: &TestDb, rabbit: &Fixture, written: &Written) -> Report {
+async fn settle(db: &TestDb, sink: &Sink, written: &Written) -> Report {
     assert!(
         eventually(PATIENCE, || async { db.pending().await == 0 }).await,
         "outbox not drained"
     );
     assert!(
         eventually(PATIENCE, || async {
-            rabbit.count() >= written.committed.len()
+            sink.count() >= written.committed.len()
         })
         .await,
         "only {} of {} delivered",
-        rabbit.count(),
+        sink.count(),
         written.committed.len()
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    check(written, &seen_amqp(&rabbit.deliveries()))
+    check(written, &sink.seen())
 }
 
 fn spawn_writers(db: &TestDb, spec: Spec) -> tokio::task::JoinHandle<Written> {
@@ -81,15 +84,18 @@ fn spawn_writers(db: &TestDb, spec: Spec) -> tokio::task::JoinHandle<Written> {
     tokio::spawn(async move { workload::run(&config, &outbox, &spec).await })
 }
 
+async fn stop(mut relay: RelayProcess) {
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "clean exit on SIGTERM");
+}
+
 /// Scenario 2: kill -9 at random 200–2000 ms intervals, restarted each time.
-#[tokio::test]
-async fn s02_kill_9_at_random_intervals() {
+async fn kill_9_at_random_intervals(sink: Sink, messages: usize) {
     outbox_tests::init_logging();
     let started = Instant::now();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let env = env_for(&db, &outbox_tests::amqp_url());
-    let writers = spawn_writers(&db, spec(&rabbit, scale(8_000)));
+    let env = env_for(&db, &sink, None);
+    let writers = spawn_writers(&db, spec(&sink, scale(messages)));
     let mut relay = RelayProcess::start(RELAY_BIN, &env);
     let mut kills = 0;
     while !writers.is_finished() || (db.pending().await > 0 && kills < 60) {
@@ -100,33 +106,40 @@ async fn s02_kill_9_at_random_intervals() {
         relay = RelayProcess::start(RELAY_BIN, &env);
     }
     let written = writers.await.expect("writers");
-    let report = settle(&db, &rabbit, &written).await;
+    let report = settle(&db, &sink, &written).await;
     let bound = kills * BATCH * PIPELINE;
     record(
         TMP,
-        &format!("amqp: kill -9 x{kills} at random intervals"),
+        &format!("{}: kill -9 x{kills} at random intervals", sink.broker()),
         &report,
         started.elapsed(),
         Some(bound),
     );
     assert!(report.is_clean(), "{report}");
     assert!(report.duplicates <= bound, "{report}");
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0));
-    rabbit.cleanup().await;
+    stop(relay).await;
+    sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s02_amqp_kill_9_at_random_intervals() {
+    kill_9_at_random_intervals(Sink::amqp().await, 8_000).await;
+}
+
+#[tokio::test]
+async fn s02_kafka_kill_9_at_random_intervals() {
+    kill_9_at_random_intervals(Sink::kafka(&outbox_tests::kafka_brokers()).await, 4_000).await;
 }
 
 /// Scenario 3: the relay dies after the broker confirmed a batch and before the
 /// rows were deleted. That batch is delivered twice; nothing is lost.
-#[tokio::test]
-async fn s03_crash_between_broker_ack_and_delete() {
+async fn crash_between_broker_ack_and_delete(sink: Sink) {
     outbox_tests::init_logging();
     let started = Instant::now();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let env = env_for(&db, &outbox_tests::amqp_url());
-    let written = workload::run(&db.config, &db.outbox(), &spec(&rabbit, scale(3_000))).await;
+    let env = env_for(&db, &sink, None);
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(3_000))).await;
 
     let mut crashing = env.clone();
     crashing.push(("OUTBOX_TEST_FAILPOINT", "crash-after-ack:3".into()));
@@ -138,11 +151,11 @@ async fn s03_crash_between_broker_ack_and_delete() {
         .expect("failpoint reached");
     assert_ne!(code, Some(0), "the failpoint aborts the process");
 
-    let mut relay = RelayProcess::start(RELAY_BIN, &env);
-    let report = settle(&db, &rabbit, &written).await;
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let report = settle(&db, &sink, &written).await;
     record(
         TMP,
-        "amqp: crash between broker ack and delete",
+        &format!("{}: crash between broker ack and delete", sink.broker()),
         &report,
         started.elapsed(),
         Some(BATCH),
@@ -156,32 +169,38 @@ async fn s03_crash_between_broker_ack_and_delete() {
         report.duplicates <= BATCH,
         "only that batch may repeat: {report}"
     );
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0));
-    rabbit.cleanup().await;
+    stop(relay).await;
+    sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s03_amqp_crash_between_broker_ack_and_delete() {
+    crash_between_broker_ack_and_delete(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s03_kafka_crash_between_broker_ack_and_delete() {
+    crash_between_broker_ack_and_delete(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
 /// Scenario 4: transactions held open for seconds commit after later ids were
 /// published (the commit-order gap); 10% roll back.
-#[tokio::test]
-async fn s04_late_commits_and_rollbacks() {
+async fn late_commits_and_rollbacks(sink: Sink) {
     outbox_tests::init_logging();
     let started = Instant::now();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let env = env_for(&db, &outbox_tests::amqp_url());
-    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, None));
     let spec = Spec {
         hold_percent: 3,
         hold: Duration::from_secs(2),
-        ..spec(&rabbit, scale(5_000))
+        ..spec(&sink, scale(5_000))
     };
     let written = workload::run(&db.config, &db.outbox(), &spec).await;
-    let report = settle(&db, &rabbit, &written).await;
+    let report = settle(&db, &sink, &written).await;
     record(
         TMP,
-        "amqp: late commits (held 2s) + 10% rollbacks",
+        &format!("{}: late commits (held 2s) + 10% rollbacks", sink.broker()),
         &report,
         started.elapsed(),
         Some(0),
@@ -189,26 +208,31 @@ async fn s04_late_commits_and_rollbacks() {
     assert!(report.is_clean(), "{report}");
     assert_eq!(report.duplicates, 0, "{report}");
     assert!(!written.rolled_back.is_empty());
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0));
-    rabbit.cleanup().await;
+    stop(relay).await;
+    sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s04_amqp_late_commits_and_rollbacks() {
+    late_commits_and_rollbacks(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s04_kafka_late_commits_and_rollbacks() {
+    late_commits_and_rollbacks(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
 /// Scenario 6: a proxy between relay and broker black-holes traffic (accepts,
 /// never answers) for 10 s, then resets every connection.
-#[tokio::test]
-async fn s06_black_holed_then_reset_broker_connection() {
+async fn black_holed_then_reset(db: TestDb, sink: Sink, proxy: &Proxy) {
     outbox_tests::init_logging();
     let started = Instant::now();
-    let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
-    let mut relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &url));
-    let writers = spawn_writers(&db, spec(&rabbit, scale(5_000)));
+    let via = format!("127.0.0.1:{}", proxy.port);
+    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
+    let writers = spawn_writers(&db, spec(&sink, scale(5_000)));
     assert!(
-        eventually(PATIENCE, || async { rabbit.count() > 300 }).await,
+        eventually(PATIENCE, || async { sink.count() > 300 }).await,
         "no flow before the fault"
     );
     proxy.set(Mode::BlackHole);
@@ -218,12 +242,12 @@ async fn s06_black_holed_then_reset_broker_connection() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     proxy.set(Mode::Pass);
     let written = writers.await.expect("writers");
-    let report = settle(&db, &rabbit, &written).await;
+    let report = settle(&db, &sink, &written).await;
     // Only batches in flight when the link went silent can repeat.
     let bound = 2 * BATCH * PIPELINE;
     record(
         TMP,
-        "amqp: black-holed 10s, then reset",
+        &format!("{}: black-holed 10s, then reset", sink.broker()),
         &report,
         started.elapsed(),
         Some(bound),
@@ -231,42 +255,67 @@ async fn s06_black_holed_then_reset_broker_connection() {
     assert!(report.is_clean(), "{report}");
     assert!(report.duplicates <= bound, "{report}");
     assert!(during > 0, "the black hole should have built a backlog");
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0));
-    rabbit.cleanup().await;
+    stop(relay).await;
+    sink.cleanup().await;
     db.cleanup().await;
 }
 
-/// Scenario 8: NOTIFY off under load: polling alone delivers everything.
 #[tokio::test]
-async fn s08_notify_off_under_load() {
+async fn s06_amqp_black_holed_then_reset_broker_connection() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    black_holed_then_reset(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+#[tokio::test]
+async fn s06_kafka_black_holed_then_reset_broker_connection() {
+    // A private broker that advertises the proxy, so every connection (the
+    // relay's and the consumer's) crosses it.
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    black_holed_then_reset(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
+}
+
+/// Scenario 8: NOTIFY off under load: polling alone delivers everything.
+async fn notify_off_under_load(sink: Sink) {
     outbox_tests::init_logging();
     let started = Instant::now();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
     outbox_client::set_notify(&db.client, db.schema.as_str(), false)
         .await
         .expect("notify off");
-    let mut relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &outbox_tests::amqp_url()));
-    let written = workload::run(&db.config, &db.outbox(), &spec(&rabbit, scale(5_000))).await;
-    let report = settle(&db, &rabbit, &written).await;
-    record(TMP, "amqp: notify off", &report, started.elapsed(), Some(0));
+    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, None));
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(5_000))).await;
+    let report = settle(&db, &sink, &written).await;
+    record(
+        TMP,
+        &format!("{}: notify off", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(0),
+    );
     assert!(report.is_clean(), "{report}");
     assert_eq!(report.duplicates, 0);
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0));
-    rabbit.cleanup().await;
+    stop(relay).await;
+    sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s08_amqp_notify_off_under_load() {
+    notify_off_under_load(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s08_kafka_notify_off_under_load() {
+    notify_off_under_load(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
 /// Scenario 11: a session idle in a transaction holds back vacuum for the whole
 /// run: nothing is lost, and `status` names the blocker.
-#[tokio::test]
-async fn s11_idle_in_transaction_blocker_is_named() {
+async fn idle_in_transaction_blocker_is_named(sink: Sink) {
     outbox_tests::init_logging();
     let started = Instant::now();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
     let mut blocker = outbox_tests::db::connect(&db.config).await;
     blocker
         .batch_execute("SET application_name = 'forgotten-report'")
@@ -277,9 +326,9 @@ async fn s11_idle_in_transaction_blocker_is_named() {
         .await
         .expect("take an xid");
 
-    let mut relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &outbox_tests::amqp_url()));
-    let written = workload::run(&db.config, &db.outbox(), &spec(&rabbit, scale(4_000))).await;
-    let report = settle(&db, &rabbit, &written).await;
+    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, None));
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(4_000))).await;
+    let report = settle(&db, &sink, &written).await;
     // The blocker has been open well past status' 10 s threshold by now, or soon.
     let mut named = false;
     for _ in 0..300 {
@@ -298,17 +347,26 @@ async fn s11_idle_in_transaction_blocker_is_named() {
     tx.rollback().await.expect("rollback");
     record(
         TMP,
-        "amqp: idle-in-transaction session",
+        &format!("{}: idle-in-transaction session", sink.broker()),
         &report,
         started.elapsed(),
         Some(0),
     );
     assert!(report.is_clean(), "{report}");
     assert!(named, "status must name the long transaction");
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0));
-    rabbit.cleanup().await;
+    stop(relay).await;
+    sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s11_amqp_idle_in_transaction_blocker_is_named() {
+    idle_in_transaction_blocker_is_named(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s11_kafka_idle_in_transaction_blocker_is_named() {
+    idle_in_transaction_blocker_is_named(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
 /// Testing the tester: a relay that deletes rows before the broker confirms
@@ -317,21 +375,20 @@ async fn s11_idle_in_transaction_blocker_is_named() {
 async fn mutant_ack_before_confirm_is_caught() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
+    let sink = Sink::amqp().await;
     let proxy = Proxy::start("127.0.0.1:5672").await;
-    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
-    let mut env = env_for(&db, &url);
+    let mut env = env_for(&db, &sink, Some(&format!("127.0.0.1:{}", proxy.port)));
     env.push(("OUTBOX_TEST_MUTANT", "ack-before-confirm".into()));
     let mut relay = RelayProcess::start(RELAY_BIN, &env);
-    let writers = spawn_writers(&db, spec(&rabbit, 3_000));
-    assert!(eventually(PATIENCE, || async { rabbit.count() > 100 }).await);
+    let writers = spawn_writers(&db, spec(&sink, 3_000));
+    assert!(eventually(PATIENCE, || async { sink.count() > 100 }).await);
     proxy.set(Mode::Refuse);
     tokio::time::sleep(Duration::from_secs(3)).await;
     proxy.set(Mode::Pass);
     let written = writers.await.expect("writers");
     assert!(eventually(PATIENCE, || async { db.pending().await == 0 }).await);
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    let report = check(&written, &sink.seen());
     println!("mutant ack-before-confirm: {report}");
     assert!(
         !report.lost.is_empty(),
@@ -339,7 +396,7 @@ async fn mutant_ack_before_confirm_is_caught() {
     );
     relay.signal("TERM").await;
     let _ = relay.wait().await;
-    rabbit.cleanup().await;
+    sink.cleanup().await;
     db.cleanup().await;
 }
 
@@ -349,19 +406,19 @@ async fn mutant_ack_before_confirm_is_caught() {
 async fn mutant_watermark_is_caught() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let mut env = env_for(&db, &outbox_tests::amqp_url());
+    let sink = Sink::amqp().await;
+    let mut env = env_for(&db, &sink, None);
     env.push(("OUTBOX_TEST_MUTANT", "watermark".into()));
     let mut relay = RelayProcess::start(RELAY_BIN, &env);
     let spec = Spec {
         hold_percent: 5,
         hold: Duration::from_secs(1),
-        ..spec(&rabbit, 2_000)
+        ..spec(&sink, 2_000)
     };
     let written = workload::run(&db.config, &db.outbox(), &spec).await;
     // Let every row the mutant will ever publish arrive.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    let report = check(&written, &sink.seen());
     println!("mutant watermark: {report}");
     assert!(
         !report.lost.is_empty(),
@@ -369,6 +426,6 @@ async fn mutant_watermark_is_caught() {
     );
     relay.signal("TERM").await;
     let _ = relay.wait().await;
-    rabbit.cleanup().await;
+    sink.cleanup().await;
     db.cleanup().await;
 }

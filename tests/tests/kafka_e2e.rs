@@ -8,8 +8,8 @@ use outbox_client::Message;
 use outbox_tests::check::check;
 use outbox_tests::db::TestDb;
 use outbox_tests::kafka::Fixture;
-use outbox_tests::process::{RelayProcess, Tansu};
-use outbox_tests::proxy::{Mode, Proxy};
+use outbox_tests::process::RelayProcess;
+use outbox_tests::proxy::Mode;
 use outbox_tests::workload::{self, Spec, Tag};
 use outbox_tests::{eventually, fast_settings, kafka_brokers, seen_kafka, InProcessRelay};
 
@@ -218,26 +218,7 @@ async fn broker_unreachable_for_30s_memory_bounded_then_delivered() {
     outbox_tests::init_logging();
     // A private broker that advertises the proxy, so every connection librdkafka
     // makes goes through it.
-    let proxy_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let proxy_port = proxy_listener.local_addr().expect("addr").port();
-    let broker_port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr").port()
-    };
-    let tansu = Tansu::start(broker_port, proxy_port);
-    let proxy = Proxy::start_on(proxy_listener, &format!("127.0.0.1:{broker_port}"));
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", broker_port))
-                .await
-                .is_ok()
-        })
-        .await,
-        "private tansu did not start"
-    );
-    let brokers = format!("127.0.0.1:{proxy_port}");
+    let (tansu, proxy, brokers) = outbox_tests::process::tansu_behind_proxy().await;
     let kafka = Fixture::new(&brokers, 4).await;
     let db = TestDb::new().await;
     let env = vec![
