@@ -369,6 +369,50 @@ async fn s11_kafka_idle_in_transaction_blocker_is_named() {
     idle_in_transaction_blocker_is_named(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
+/// Scenario 10: SIGTERM mid-run: the in-flight batch completes, the process
+/// exits 0, and the next relay publishes nothing twice.
+async fn sigterm_drains_without_duplicates(sink: Sink) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let mut env = env_for(&db, &sink, None);
+    env.push(("OUTBOX_BATCH_SIZE", "200".into()));
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(5_000))).await;
+
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    assert!(eventually(PATIENCE, || async { sink.count() > 500 }).await);
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "SIGTERM exits 0");
+
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let report = settle(&db, &sink, &written).await;
+    stop(relay).await;
+    record(
+        TMP,
+        &format!("{}: SIGTERM mid-run", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(0),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(
+        report.duplicates, 0,
+        "a drained batch is never published twice: {report}"
+    );
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s10_amqp_sigterm_drains_without_duplicates() {
+    sigterm_drains_without_duplicates(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s10_kafka_sigterm_drains_without_duplicates() {
+    sigterm_drains_without_duplicates(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
+}
+
 /// Testing the tester: a relay that deletes rows before the broker confirms
 /// loses messages when the broker is unreachable, and the checker must say so.
 #[tokio::test]

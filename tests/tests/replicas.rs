@@ -4,12 +4,12 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use outbox_tests::amqp::Fixture;
 use outbox_tests::check::check;
 use outbox_tests::db::TestDb;
 use outbox_tests::process::RelayProcess;
+use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
-use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
 use rand::Rng;
 
 const TMP: &str = env!("CARGO_TARGET_TMPDIR");
@@ -86,15 +86,16 @@ async fn wait_balanced(db: &TestDb, n: usize) -> Result<(), Vec<Vec<i64>>> {
     }
 }
 
-#[tokio::test]
-async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
+/// Scenario 9: three replicas, six kill -9 with restarts and one SIGSTOP past
+/// the lease and hold limit.
+async fn three_replicas_killed_and_paused(sink: Sink, messages: usize) {
     let started = std::time::Instant::now();
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let env = replica_env(&db);
+    let mut env = replica_env(&db);
+    env.extend(sink.relay_env(None));
 
-    let spec = Spec::new(&rabbit.exchange, 8, 1_000, 100_000);
+    let spec = Spec::new(sink.destination(), 8, 1_000, messages);
     let writers = {
         let config = db.config.clone();
         let outbox = db.outbox();
@@ -133,19 +134,22 @@ async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
     );
     assert!(
         eventually(PATIENCE, || async {
-            rabbit.count() >= written.committed.len()
+            sink.count() >= written.committed.len()
         })
         .await,
         "only {} of {}",
-        rabbit.count(),
+        sink.count(),
         written.committed.len()
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    let report = check(&written, &sink.seen());
     let bound = (kills + pauses) * BATCH * PIPELINE;
     outbox_tests::check::record(
         TMP,
-        &format!("amqp: 3 replicas, {kills} kills, {pauses} pause"),
+        &format!(
+            "{}: 3 replicas, {kills} kills, {pauses} pause",
+            sink.broker()
+        ),
         &report,
         started.elapsed(),
         Some(bound),
@@ -160,8 +164,19 @@ async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
         r.signal("TERM").await;
         assert_eq!(r.wait().await, Some(0));
     }
-    rabbit.cleanup().await;
+    sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
+    three_replicas_killed_and_paused(Sink::amqp().await, 100_000).await;
+}
+
+#[tokio::test]
+async fn three_kafka_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
+    three_replicas_killed_and_paused(Sink::kafka(&outbox_tests::kafka_brokers()).await, 30_000)
+        .await;
 }
 
 #[tokio::test]
