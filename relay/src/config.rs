@@ -356,9 +356,10 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
           value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub batch_size: i64,
-    /// Batches in flight at once, each on its own Postgres connection. 3 keeps
-    /// the broker busy while other batches are being claimed and settled
-    /// (measured: about 0.83 of a raw publisher's rate, against 0.71 with 2).
+    /// Batches at the broker (published, not yet settled) at once. One more
+    /// batch is claimed ahead meanwhile, so pipeline + 1 Postgres connections
+    /// are used. 3 keeps the broker busy while batches are claimed and
+    /// settled; a crash can repeat at most this many batches.
     #[arg(long, env = "OUTBOX_PIPELINE", default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=32))]
     pub pipeline: u16,

@@ -1,9 +1,11 @@
 //! The relay loop: claim a batch, publish it, settle it, repeat.
 //!
-//! `pipeline` workers run the loop side by side, each on its own Postgres
-//! connection, so one batch is being claimed or settled while another waits for
-//! the broker's confirms. Row locks keep them apart; the claim's head-of-key rule
-//! keeps each key's rows in order across them (see [`crate::source::claim`]).
+//! `pipeline + 1` workers run the loop side by side, each on its own Postgres
+//! connection. At most `pipeline` batches are at the broker or being settled at
+//! once (a semaphore); the extra worker claims the next batch meanwhile, so a
+//! batch is ready the moment a slot frees and the broker never waits on a
+//! claim. Row locks keep the workers apart; the claim's head-of-key rule keeps
+//! each key's rows in order across them (see [`crate::source::claim`]).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +30,8 @@ use crate::Error;
 pub struct Settings {
     /// Rows claimed and published per batch.
     pub batch_size: i64,
-    /// Batches in flight at once (one Postgres connection each).
+    /// Batches published and not yet settled at once; one more is claimed
+    /// ahead (pipeline + 1 Postgres connections).
     pub pipeline: usize,
     /// Longest wait between claims when no NOTIFY arrives.
     pub poll_interval: Duration,
@@ -165,6 +168,8 @@ struct Worker<P: Publisher> {
     publisher: Arc<P>,
     settings: Settings,
     stats: Arc<Stats>,
+    /// Slots for batches between publish and commit: `pipeline` of them.
+    in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 enum BatchEnd {
@@ -263,8 +268,11 @@ impl<P: Publisher> Relay<P> {
                 shutdown.clone(),
             ));
         }
-        for id in 0..self.settings.pipeline.max(1) {
+        let pipeline = self.settings.pipeline.max(1);
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
+        for id in 0..=pipeline {
             let worker = Worker {
+                in_flight: Arc::clone(&in_flight),
                 id,
                 owned: owned.clone(),
                 pg: self.pg.clone(),
@@ -421,6 +429,13 @@ impl<P: Publisher> Worker<P> {
                 .fetch_add(seqs.len() as u64, Ordering::Relaxed);
             return Ok(BatchEnd::Settled);
         }
+        // Wait for a slot: while `pipeline` batches are out, this one stays
+        // claimed and ready. Held until the settle commits, so no more than
+        // `pipeline` batches are ever published and unsettled at once (the
+        // duplicate bound of a crash).
+        let Ok(_slot) = self.in_flight.acquire().await else {
+            return Ok(BatchEnd::Settled); // closed: never, the relay owns it
+        };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
         // stall) may have lost its rows to another replica by now: Postgres ends
         // a session idle in a transaction past the hold limit. Publishing them

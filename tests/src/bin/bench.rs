@@ -135,9 +135,14 @@ async fn drain_with(
             .map(|r| r.stats.published.load(Ordering::Relaxed))
             .sum::<u64>()
     };
+    let mut first = None;
     while published(&relays) < messages as u64 {
+        if first.is_none() && published(&relays) > 0 {
+            first = Some(started.elapsed());
+        }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    eprintln!("first batch settled after {:?}", first);
     let r = rate(messages, started.elapsed());
     for relay in relays {
         relay.stop().await;
@@ -302,6 +307,66 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
         .await?;
 
+    // 1b. The relay's own publisher, fed from memory: the relay's broker-side
+    // cost without Postgres, to tell the two apart.
+    let publisher = Arc::new(outbox_relay::publish::amqp::AmqpPublisher::new(
+        outbox_relay::publish::amqp::AmqpSettings {
+            url: outbox_tests::amqp_url(),
+            confirm_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            ca_pem: None,
+        },
+    ));
+    {
+        use outbox_relay::publish::Publisher;
+        publisher.ready().await?;
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..args.pipeline {
+        let publisher = Arc::clone(&publisher);
+        let exchange = exchange.clone();
+        let payload = payload.clone();
+        let (batch, keys) = (args.batch, args.keys.max(1));
+        tasks.push(tokio::spawn(async move {
+            use outbox_relay::publish::{Envelope, Publisher};
+            let mut sent = 0;
+            while sent < per_task {
+                let n = batch.min(per_task - sent);
+                let envelopes: Vec<Envelope> = (0..n)
+                    .map(|i| Envelope {
+                        seq: (t * per_task + sent + i) as i64,
+                        message_id: uuid::Uuid::now_v7(),
+                        destination: exchange.clone(),
+                        ordering_key: Some(format!("key-{}", (sent + i) % keys)),
+                        routing_key: "bench".into(),
+                        headers: Vec::new(),
+                        payload: payload.clone(),
+                        content_type: None,
+                        created_at: std::time::SystemTime::now(),
+                        attempts: 0,
+                    })
+                    .collect();
+                let outcomes = publisher.publish(&envelopes).await?;
+                if outcomes.iter().any(|o| o.is_err()) {
+                    anyhow::bail!("relay publisher: a message was refused");
+                }
+                sent += n;
+            }
+            Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let publisher_only = rate(per_task * args.pipeline, started.elapsed());
+    {
+        use outbox_relay::publish::Publisher;
+        publisher.close().await;
+    }
+    ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+        .await?;
+
     // 2. enqueue_batch into a fresh outbox.
     let db = TestDb::new().await;
     outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
@@ -329,6 +394,12 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     println!(
         "{:<44} {:>10.0} {:>8}",
         "raw lapin publisher (same confirm window)", raw, "1.00"
+    );
+    println!(
+        "{:<44} {:>10.0} {:>8.2}",
+        "relay publisher alone, fed from memory",
+        publisher_only,
+        publisher_only / raw
     );
     println!(
         "{:<44} {:>10.0} {:>8.2}",
