@@ -45,6 +45,9 @@ fn human_age(secs: Option<f64>) -> String {
     }
 }
 
+/// Retained published rows counted exactly up to this many.
+const RETAINED_CAP: i64 = 100_000;
+
 /// `outbox-relay status`: backlog, retries, dead letters, parked keys, replicas
 /// and what holds the relay back.
 pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::Value, OpsError> {
@@ -74,6 +77,23 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
         .query_one(&format!("SELECT count(*) FROM {s}.dead_letters"), &[])
         .await?
         .get(0);
+    // Retention mode only. Counting stops at RETAINED_CAP so status stays
+    // quick on a week of retained rows; the oldest comes from the index.
+    let retained = client
+        .query_one(
+            &format!(
+                "SELECT (SELECT count(*) FROM (SELECT 1 FROM {s}.published LIMIT {RETAINED_CAP} + 1) c), \
+                        (SELECT min(published_at) FROM {s}.published)"
+            ),
+            &[],
+        )
+        .await?;
+    let retained_count: i64 = retained.get(0);
+    let retained = json!({
+        "count": retained_count.min(RETAINED_CAP),
+        "at_least": retained_count > RETAINED_CAP,
+        "oldest_age_s": age_secs(retained.get(1)),
+    });
     let parked = client
         .query(
             &format!(
@@ -193,6 +213,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
         "backlog": backlog,
         "in_flight": replicas.iter().filter_map(|r| r["in_flight"].as_i64()).sum::<i64>(),
         "dead_letters": dead,
+        "published_retained": retained,
         "parked_keys": parked,
         "replicas": replicas,
         "partitions_owned": owned_total,
@@ -229,6 +250,22 @@ pub fn status_text(v: &serde_json::Value) -> String {
     }
     let _ = writeln_str(&mut o, &format!("in flight: {}", v["in_flight"]));
     let _ = writeln_str(&mut o, &format!("dead letters: {}", v["dead_letters"]));
+    let retained = &v["published_retained"];
+    if retained["count"].as_i64().unwrap_or(0) > 0 {
+        let _ = writeln_str(
+            &mut o,
+            &format!(
+                "published, kept for retention: {}{} (oldest {})",
+                retained["count"],
+                if retained["at_least"].as_bool().unwrap_or(false) {
+                    "+"
+                } else {
+                    ""
+                },
+                human_age(retained["oldest_age_s"].as_f64())
+            ),
+        );
+    }
     for p in v["parked_keys"].as_array().cloned().unwrap_or_default() {
         let _ = writeln_str(
             &mut o,

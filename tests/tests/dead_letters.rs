@@ -387,6 +387,12 @@ async fn retention_keeps_published_rows_with_amqp_receipts() {
         out.contains("published to") && out.contains("rabbitmq confirm ack"),
         "{out}"
     );
+    let (code, out, _) = cli(&db, &["status", "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["published_retained"]["count"], 500, "{v}");
+    let (_, out, _) = cli(&db, &["status"]).await;
+    assert!(out.contains("kept for retention: 500"), "{out}");
     rabbit.cleanup().await;
     db.cleanup().await;
 }
