@@ -169,7 +169,7 @@ impl fmt::Display for SecretUrl {
 }
 
 fn parse_pg_url(s: &str) -> Result<SecretUrl, String> {
-    crate::source::Database::from_url(s)
+    crate::source::Database::check_url(s)
         .map(|_| SecretUrl(s.to_owned()))
         // The messages name the offending part, never the password.
         .map_err(|e| e.to_string())
