@@ -479,7 +479,9 @@ impl<P: Publisher> Worker<P> {
         #[cfg(feature = "mutants")]
         crate::mutants::after_ack();
         let plan = settle_plan(&batch, &outcomes, &self.settings);
-        self.queries.settle_published(&tx, &plan.published).await?;
+        self.queries
+            .settle_published(&tx, &batch, &plan.published)
+            .await?;
         self.queries.fail(&tx, &plan.failed).await?;
         self.queries.dead_letter(&tx, &plan.dead).await?;
         tx.commit().await?;
@@ -667,7 +669,7 @@ fn settle_plan(
             continue;
         };
         match outcome {
-            Ok(receipt) => plan.published.push((env.seq, receipt.clone())),
+            Ok(receipt) => plan.published.push((env.seq, *receipt)),
             Err(rejection) => {
                 if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
                     plan.dead.push((env.seq, rejection.reason.clone()));

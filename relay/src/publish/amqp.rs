@@ -79,7 +79,7 @@ impl std::fmt::Debug for AmqpPublisher {
     }
 }
 
-fn exchange_name(destination: &str) -> &str {
+pub(crate) fn exchange_name(destination: &str) -> &str {
     if destination == DEFAULT_EXCHANGE_ALIAS {
         ""
     } else {
@@ -314,10 +314,7 @@ impl Publisher for AmqpPublisher {
             };
         for (i, answer) in answers {
             outcomes[i] = Some(match answer {
-                Ok(Confirmation::Ack(None)) => Ok(Receipt::Amqp {
-                    exchange: exchange_name(&batch[i].destination).to_owned(),
-                    routing_key: batch[i].routing_key.clone(),
-                }),
+                Ok(Confirmation::Ack(None)) => Ok(Receipt::Amqp),
                 Ok(Confirmation::Ack(Some(returned))) => Err(Rejection::retryable(format!(
                     "unroutable: returned by rabbitmq ({} {})",
                     returned.reply_code, returned.reply_text

@@ -247,7 +247,6 @@ impl Publisher for KafkaPublisher {
         for (i, report) in join_all(pending).await {
             outcomes[i] = Some(match report {
                 Ok(Ok(delivery)) => Ok(Receipt::Kafka {
-                    topic: batch[i].destination.clone(),
                     partition: delivery.partition,
                     offset: delivery.offset,
                 }),

@@ -69,19 +69,12 @@ impl Rejection {
 
 /// What the broker said when it took a message: kept with the row in
 /// retention mode (`--retention`) and shown by `outbox-relay locate`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Receipt {
     /// A RabbitMQ publisher confirm: an Ack with no `basic.return` before it.
-    Amqp {
-        /// The exchange the message was published to (`""` is the default one).
-        exchange: String,
-        /// Its routing key.
-        routing_key: String,
-    },
+    Amqp,
     /// A Kafka delivery report without error.
     Kafka {
-        /// The topic.
-        topic: String,
         /// The partition the record was written to.
         partition: i32,
         /// Its offset in that partition.
@@ -92,25 +85,20 @@ pub enum Receipt {
 }
 
 impl Receipt {
-    /// The receipt as stored in the `published.receipt` column.
-    pub fn to_json(&self) -> serde_json::Value {
+    /// The receipt of `env` as stored in the `published.receipt` column. Where
+    /// the message went comes from the envelope, so a receipt costs no
+    /// allocation unless retention asks for it.
+    pub fn to_json(&self, env: &Envelope) -> serde_json::Value {
         match self {
-            Receipt::Amqp {
-                exchange,
-                routing_key,
-            } => serde_json::json!({
+            Receipt::Amqp => serde_json::json!({
                 "broker": "rabbitmq",
                 "confirm": "ack",
-                "exchange": exchange,
-                "routing_key": routing_key,
+                "exchange": amqp::exchange_name(&env.destination),
+                "routing_key": env.routing_key,
             }),
-            Receipt::Kafka {
-                topic,
-                partition,
-                offset,
-            } => serde_json::json!({
+            Receipt::Kafka { partition, offset } => serde_json::json!({
                 "broker": "kafka",
-                "topic": topic,
+                "topic": env.destination,
                 "partition": partition,
                 "offset": offset,
             }),

@@ -52,17 +52,23 @@ impl Queries {
             String::new()
         };
         Queries {
+            // The columns come from the locking scan itself. A row another
+            // batch settled after this statement's snapshot was taken is
+            // returned as its newest, locked version; read back through a
+            // second scan of the table it would show the snapshot's version,
+            // with a stale `attempts`, and a message would be retried once more
+            // than `max_attempts` allows.
             claim: format!(
                 "WITH cand AS ( \
-                    SELECT seq FROM {t} \
+                    SELECT seq, message_id, destination, ordering_key, routing_key, \
+                           headers, payload, content_type, created_at, attempts \
+                    FROM {t} \
                     WHERE next_attempt_at <= now() AND partition = ANY($2::smallint[]) \
                     ORDER BY seq \
                     LIMIT $1 \
                     FOR UPDATE SKIP LOCKED \
                  ) \
-                 SELECT m.seq, m.message_id, m.destination, m.ordering_key, m.routing_key, \
-                        m.headers, m.payload, m.content_type, m.created_at, m.attempts \
-                 FROM {t} m JOIN cand USING (seq) \
+                 SELECT m.* FROM cand m \
                  WHERE m.ordering_key IS NULL OR (NOT EXISTS ( \
                     SELECT 1 FROM {t} p \
                     WHERE p.ordering_key = m.ordering_key AND p.seq < m.seq \
@@ -80,8 +86,8 @@ impl Queries {
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
             fail: format!(
                 "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = u.err, \
-                    last_attempt_at = now(), \
-                    next_attempt_at = now() + make_interval(secs => u.delay) \
+                    last_attempt_at = statement_timestamp(), \
+                    next_attempt_at = statement_timestamp() + make_interval(secs => u.delay) \
                  FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS u(seq, err, delay) \
                  WHERE m.seq = u.seq"
             ),
@@ -146,11 +152,12 @@ impl Queries {
         tx.execute(self.delete.as_str(), &[&seqs]).await
     }
 
-    /// Settles rows the broker confirmed: deletes them, or in retention mode
-    /// moves them to `published` with their receipts.
+    /// Settles rows of `batch` the broker confirmed: deletes them, or in
+    /// retention mode moves them to `published` with their receipts.
     pub async fn settle_published(
         &self,
         tx: &Transaction<'_>,
+        batch: &[Envelope],
         published: &[(i64, Receipt)],
     ) -> Result<u64, tokio_postgres::Error> {
         if published.is_empty() {
@@ -160,9 +167,14 @@ impl Queries {
         let Some(retain) = &self.retain else {
             return tx.execute(self.delete.as_str(), &[&seqs]).await;
         };
+        let by_seq: std::collections::HashMap<i64, &Envelope> =
+            batch.iter().map(|e| (e.seq, e)).collect();
         let receipts: Vec<String> = published
             .iter()
-            .map(|p| p.1.to_json().to_string())
+            .map(|(seq, receipt)| match by_seq.get(seq) {
+                Some(env) => receipt.to_json(env).to_string(),
+                None => "null".to_owned(), // never: every settled seq is in the batch
+            })
             .collect();
         tx.execute(retain.as_str(), &[&seqs, &receipts]).await
     }
