@@ -57,18 +57,46 @@ fn msg(dest: &str, key: &str, n: i32) -> Message {
         .expect("valid")
 }
 
+/// A relay, a test queue on RabbitMQ, and `side`: an exchange bound to no
+/// queue, so whatever is published there comes back unroutable.
+struct Setup {
+    db: TestDb,
+    rabbit: Fixture,
+    side: String,
+    relay: InProcessRelay,
+}
+
+impl Setup {
+    async fn new(park: bool) -> Setup {
+        outbox_tests::init_logging();
+        let db = TestDb::new().await;
+        let rabbit = Fixture::new().await;
+        let side = outbox_tests::unique("side");
+        amqp::declare_unbound_exchange(&side).await;
+        let relay = InProcessRelay::amqp(&db, settings(park));
+        Setup {
+            db,
+            rabbit,
+            side,
+            relay,
+        }
+    }
+
+    async fn finish(self) {
+        self.relay.stop().await;
+        amqp::delete_exchange(&self.side).await;
+        self.rabbit.cleanup().await;
+        self.db.cleanup().await;
+    }
+}
+
 #[tokio::test]
 async fn poison_message_dead_letters_while_10000_others_flow() {
-    outbox_tests::init_logging();
-    let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let unbound = outbox_tests::unique("poison");
-    amqp::declare_unbound_exchange(&unbound).await;
-    let relay = InProcessRelay::amqp(&db, settings(true));
-
+    let setup = Setup::new(true).await;
+    let (db, rabbit) = (&setup.db, &setup.rabbit);
     let outbox = db.outbox();
     let poison = outbox
-        .enqueue(&db.client, &msg(&unbound, "p", 0))
+        .enqueue(&db.client, &msg(&setup.side, "p", 0))
         .await
         .expect("enqueue");
     for chunk in 0..10 {
@@ -85,10 +113,10 @@ async fn poison_message_dead_letters_while_10000_others_flow() {
         "others blocked"
     );
     assert!(
-        eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await,
+        eventually(PATIENCE, || async { dead_count(db).await == 1 }).await,
         "poison not dead-lettered"
     );
-    let (code, out, _) = cli(&db, &["locate", &poison.to_string(), "--json"]).await;
+    let (code, out, _) = cli(db, &["locate", &poison.to_string(), "--json"]).await;
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert_eq!(v["state"], "dead_lettered");
@@ -101,27 +129,20 @@ async fn poison_message_dead_letters_while_10000_others_flow() {
         "{v}"
     );
     assert_eq!(db.pending().await, 0);
-    relay.stop().await;
-    amqp::delete_exchange(&unbound).await;
-    rabbit.cleanup().await;
-    db.cleanup().await;
+    setup.finish().await;
 }
 
 /// A poison message parks only its own key; fixing the binding and retrying it
 /// from the dead letters delivers the key's messages in order.
 #[tokio::test]
 async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
-    outbox_tests::init_logging();
-    let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let side = outbox_tests::unique("side");
-    amqp::declare_unbound_exchange(&side).await;
-    let relay = InProcessRelay::amqp(&db, settings(true));
+    let setup = Setup::new(true).await;
+    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
     let outbox = db.outbox();
 
     // Key "k": its first message goes to an exchange nobody listens on yet.
     let first = outbox
-        .enqueue(&db.client, &msg(&side, "k", 0))
+        .enqueue(&db.client, &msg(side, "k", 0))
         .await
         .expect("enqueue");
     let mut later: Vec<MessageId> = Vec::new();
@@ -142,7 +163,7 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
         .expect("enqueue");
 
     assert!(
-        eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await,
+        eventually(PATIENCE, || async { dead_count(db).await == 1 }).await,
         "not dead-lettered"
     );
     assert!(
@@ -161,19 +182,19 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
             "parked message {id} overtook the dead letter"
         );
     }
-    let (code, out, _) = cli(&db, &["status", "--json"]).await;
+    let (code, out, _) = cli(db, &["status", "--json"]).await;
     assert_eq!(code, 0);
     let status: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert_eq!(status["dead_letters"], 1);
     assert_eq!(status["parked_keys"][0]["key"], "k");
     assert_eq!(status["parked_keys"][0]["waiting"], 3);
-    let (_, human, _) = cli(&db, &["status"]).await;
+    let (_, human, _) = cli(db, &["status"]).await;
     assert!(human.contains("parked key \"k\": 3 waiting"), "{human}");
 
     // Fix the binding: the test queue now also hears the side exchange.
-    amqp::bind_fixture_queue(&rabbit, &side).await;
+    amqp::bind_fixture_queue(rabbit, side).await;
     let (code, out, err) = cli(
-        &db,
+        db,
         &["dead-letters", "retry", "--key", "k", "--yes", "--json"],
     )
     .await;
@@ -197,24 +218,17 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
         .map(|i| i.to_string())
         .collect();
     assert_eq!(order, expected, "key k out of order after retry");
-    assert_eq!(dead_count(&db).await, 0);
-    relay.stop().await;
-    amqp::delete_exchange(&side).await;
-    rabbit.cleanup().await;
-    db.cleanup().await;
+    assert_eq!(dead_count(db).await, 0);
+    setup.finish().await;
 }
 
 #[tokio::test]
 async fn skip_setting_lets_later_messages_pass() {
-    outbox_tests::init_logging();
-    let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let side = outbox_tests::unique("side");
-    amqp::declare_unbound_exchange(&side).await;
-    let relay = InProcessRelay::amqp(&db, settings(false));
+    let setup = Setup::new(false).await;
+    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
     let outbox = db.outbox();
     outbox
-        .enqueue(&db.client, &msg(&side, "k", 0))
+        .enqueue(&db.client, &msg(side, "k", 0))
         .await
         .expect("enqueue");
     for n in 1..=3 {
@@ -227,11 +241,8 @@ async fn skip_setting_lets_later_messages_pass() {
         eventually(PATIENCE, || async { rabbit.count() >= 3 }).await,
         "skip mode still parks"
     );
-    assert!(eventually(PATIENCE, || async { dead_count(&db).await == 1 }).await);
-    relay.stop().await;
-    amqp::delete_exchange(&side).await;
-    rabbit.cleanup().await;
-    db.cleanup().await;
+    assert!(eventually(PATIENCE, || async { dead_count(db).await == 1 }).await);
+    setup.finish().await;
 }
 
 #[tokio::test]

@@ -32,6 +32,20 @@ fn messages(destination: &str, n: i32) -> Vec<Message> {
         .collect()
 }
 
+/// Enqueues 200 messages to `destination` and waits until `delivered` has
+/// counted them all.
+async fn deliver_200(db: &TestDb, destination: &str, delivered: impl Fn() -> usize, how: &str) {
+    db.outbox()
+        .enqueue_batch(&db.client, &messages(destination, 200))
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { delivered() >= 200 }).await,
+        "delivered {} of 200 {how}",
+        delivered()
+    );
+}
+
 /// host:port of the test database, for the proxy's upstream.
 fn postgres_upstream(db: &TestDb) -> String {
     let host = match db.config.get_hosts().first() {
@@ -91,15 +105,13 @@ async fn postgres_over_verified_tls_and_an_unknown_ca_is_refused() {
         }),
         fast_settings(),
     );
-    db.outbox()
-        .enqueue_batch(&db.client, &messages(&rabbit.exchange, 200))
-        .await
-        .expect("enqueue");
-    assert!(
-        eventually(PATIENCE, || async { rabbit.count() >= 200 }).await,
-        "delivered {} of 200 with postgres over tls",
-        rabbit.count()
-    );
+    deliver_200(
+        &db,
+        &rabbit.exchange,
+        || rabbit.count(),
+        "with postgres over tls",
+    )
+    .await;
     relay.stop().await;
     assert!(
         proxy.handshakes() >= 3,
@@ -160,15 +172,7 @@ async fn amqps_with_peer_verification() {
         AmqpPublisher::new(amqps(&pki.ca_file)),
         fast_settings(),
     );
-    db.outbox()
-        .enqueue_batch(&db.client, &messages(&rabbit.exchange, 200))
-        .await
-        .expect("enqueue");
-    assert!(
-        eventually(PATIENCE, || async { rabbit.count() >= 200 }).await,
-        "delivered {} of 200 over amqps",
-        rabbit.count()
-    );
+    deliver_200(&db, &rabbit.exchange, || rabbit.count(), "over amqps").await;
     relay.stop().await;
     assert!(proxy.handshakes() >= 1);
     proxy.stop();
@@ -234,15 +238,7 @@ async fn kafka_ssl_through_pass_through_properties() {
 
     let db = TestDb::new().await;
     let relay = InProcessRelay::kafka(&db, &brokers, &ssl, fast_settings());
-    db.outbox()
-        .enqueue_batch(&db.client, &messages(&topic.topic, 200))
-        .await
-        .expect("enqueue");
-    assert!(
-        eventually(PATIENCE, || async { topic.count() >= 200 }).await,
-        "delivered {} of 200 over kafka ssl",
-        topic.count()
-    );
+    deliver_200(&db, &topic.topic, || topic.count(), "over kafka ssl").await;
     relay.stop().await;
     assert!(proxy.handshakes() >= 2, "producer and consumer sessions");
     topic.stop().await;
