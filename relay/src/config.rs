@@ -301,6 +301,16 @@ impl fmt::Debug for KafkaProperty {
 
 fn parse_kafka_property(s: &str) -> Result<KafkaProperty, String> {
     match s.split_once('=') {
+        // The relay's guarantees rest on these two; they are not negotiable.
+        Some((k, v)) if k.trim() == "acks" && !matches!(v.trim(), "all" | "-1") => Err(format!(
+            "acks={} lets the broker confirm records it can still lose; the relay needs acks=all",
+            v.trim()
+        )),
+        Some((k, v)) if k.trim() == "enable.idempotence" && v.trim() != "true" => Err(
+            "enable.idempotence must stay true: without it librdkafka's retries can reorder or \
+             duplicate records within a partition"
+                .to_owned(),
+        ),
         Some((k, v)) if !k.trim().is_empty() => {
             Ok(KafkaProperty(k.trim().to_owned(), v.to_owned()))
         }
@@ -645,5 +655,20 @@ mod kafka_tests {
         assert_eq!(err.flag, "--kafka-config");
         assert!(err.to_string().contains("entry 2"), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn properties_that_would_weaken_delivery_are_refused() {
+        assert!(parse_kafka_property("acks=all").is_ok());
+        assert!(parse_kafka_property("acks=-1").is_ok());
+        assert!(parse_kafka_property("enable.idempotence=true").is_ok());
+        let acks = parse_kafka_property("acks=1")
+            .map(|_| ())
+            .expect_err("acks=1");
+        assert!(acks.contains("acks=all"), "{acks}");
+        let idem = parse_kafka_property(" enable.idempotence = false")
+            .map(|_| ())
+            .expect_err("idempotence off");
+        assert!(idem.contains("enable.idempotence"), "{idem}");
     }
 }

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use outbox_relay::publish::kafka::{KafkaPublisher, KafkaSettings};
+use outbox_relay::publish::{Envelope, Publisher, Receipt};
 use outbox_tests::check::check;
 use outbox_tests::db::TestDb;
 use outbox_tests::kafka::Fixture;
@@ -30,7 +32,13 @@ where
     let consumer = Fixture::consume(&brokers, &topic, 4);
 
     let db = TestDb::new().await;
-    let relay = InProcessRelay::kafka(&db, &brokers, props, fast_settings());
+    // Retention keeps each confirmed row with its delivery report, so a loss
+    // can be traced to the partition and offset librdkafka reported for it.
+    let settings = outbox_relay::Settings {
+        retention: Some(Duration::from_secs(3600)),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::kafka(&db, &brokers, props, settings);
     let spec = Spec::new(&topic, 4, 20, 2_000);
     let writers = {
         let config = db.config.clone();
@@ -47,15 +55,11 @@ where
         eventually(PATIENCE, || async { db.pending().await == 0 }).await,
         "{name}: not drained"
     );
-    assert!(
-        eventually(PATIENCE, || async {
-            consumer.count() >= written.committed.len()
-        })
-        .await,
-        "{name}: only {} of {} consumed",
-        consumer.count(),
-        written.committed.len()
-    );
+    // A shortfall is judged by the checker below, which names what is lost.
+    eventually(PATIENCE, || async {
+        consumer.count() >= written.committed.len()
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &seen_kafka(&consumer.records()));
     outbox_tests::check::record(
@@ -65,10 +69,61 @@ where
         started.elapsed(),
         None,
     );
-    assert!(report.is_clean(), "{name}: {report}");
+    assert!(
+        report.is_clean(),
+        "{name}: {report}\n{}",
+        explain_losses(&db, &report, &consumer.records()).await
+    );
     relay.stop().await;
     consumer.stop().await;
     db.cleanup().await;
+}
+
+/// For each lost message: the receipts the relay kept (the partition and
+/// offset of every delivery report it settled) and what the consumer read at
+/// those offsets.
+async fn explain_losses(
+    db: &TestDb,
+    report: &outbox_tests::check::Report,
+    records: &[outbox_tests::kafka::Record],
+) -> String {
+    let mut out = String::new();
+    for id in &report.lost {
+        let rows = db
+            .client
+            .query(
+                &format!(
+                    "SELECT receipt::text, attempts, published_at::text FROM {}.published \
+                     WHERE message_id = $1 ORDER BY seq",
+                    db.schema.quoted()
+                ),
+                &[id],
+            )
+            .await
+            .expect("receipts");
+        out.push_str(&format!("lost {id}: {} receipt(s)\n", rows.len()));
+        for row in rows {
+            let receipt: String = row.get(0);
+            let attempts: i32 = row.get(1);
+            let at: String = row.get(2);
+            let json: serde_json::Value = serde_json::from_str(&receipt).expect("json");
+            let (p, o) = (json["partition"].as_i64(), json["offset"].as_i64());
+            let there = records
+                .iter()
+                .find(|r| Some(i64::from(r.partition)) == p && Some(r.offset) == o)
+                .map(|r| r.headers.get("message-id").cloned().unwrap_or_default());
+            out.push_str(&format!(
+                "  {receipt} attempts={attempts} at {at}; consumer read there: {there:?}\n"
+            ));
+        }
+    }
+    let mut ends: std::collections::BTreeMap<i32, i64> = Default::default();
+    for r in records {
+        let e = ends.entry(r.partition).or_default();
+        *e = (*e).max(r.offset);
+    }
+    out.push_str(&format!("highest offset read per partition: {ends:?}\n"));
+    out
 }
 
 async fn produce_errors(name: &str, err: RDKafkaRespErr) {
@@ -146,4 +201,85 @@ async fn round_trips_slower_than_the_message_timeout() {
         },
     )
     .await;
+}
+
+/// librdkafka takes the records of a request that failed with an uncertain
+/// outcome as delivered once a later request to the same partition succeeds
+/// (an "implicit ack", reported without an offset). That inference holds only
+/// on a broker that checks idempotent sequence numbers; the mock cluster does
+/// not, so here the failed request's record was never written. The relay's
+/// publisher must not count such a report as the broker's yes.
+#[tokio::test]
+async fn a_delivery_report_without_an_offset_is_not_a_confirmation() {
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    let topic = outbox_tests::unique("implicit");
+    mock.create_topic(&topic, 1, 1).expect("topic");
+    let publisher = KafkaPublisher::new(KafkaSettings {
+        brokers: mock.bootstrap_servers(),
+        // One record per request, sent at once: ten requests in flight.
+        properties: vec![
+            ("linger.ms".into(), "0".into()),
+            ("batch.num.messages".into(), "1".into()),
+        ],
+        message_timeout: Duration::from_secs(30),
+    })
+    .expect("producer");
+    let consumer = Fixture::consume(&mock.bootstrap_servers(), &topic, 1);
+    let batch: Vec<Envelope> = (0..10)
+        .map(|i| Envelope {
+            seq: i,
+            message_id: uuid::Uuid::now_v7(),
+            destination: topic.clone(),
+            ordering_key: Some("k".into()),
+            routing_key: String::new(),
+            headers: Vec::new(),
+            payload: i.to_string().into_bytes(),
+            content_type: None,
+            created_at: std::time::SystemTime::now(),
+            attempts: 0,
+        })
+        .collect();
+    // Slow answers keep the later requests in flight while the first fails.
+    mock.broker_round_trip_time(1, Duration::from_millis(300))
+        .expect("rtt");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION],
+    );
+
+    let first = publisher.publish(&batch).await;
+    let err = first
+        .map(|_| ())
+        .expect_err("a record the broker never wrote was reported confirmed");
+    assert!(err.to_string().contains("without an offset"), "{err}");
+    assert!(eventually(PATIENCE, || async { consumer.count() >= 9 }).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        consumer.count(),
+        9,
+        "the first request's record is not in the log"
+    );
+
+    // Published again, every record is confirmed with its offset and is there.
+    mock.broker_round_trip_time(1, Duration::ZERO).expect("rtt");
+    let again = publisher.publish(&batch).await.expect("second attempt");
+    assert!(again
+        .iter()
+        .all(|o| matches!(o, Ok(Receipt::Kafka { offset, .. }) if *offset >= 0)));
+    assert!(eventually(PATIENCE, || async { consumer.count() >= 19 }).await);
+    let ids: std::collections::HashSet<String> = consumer
+        .records()
+        .iter()
+        .filter_map(|r| r.headers.get("message-id").cloned())
+        .collect();
+    for env in &batch {
+        assert!(
+            ids.contains(&env.message_id.to_string()),
+            "{} missing",
+            env.message_id
+        );
+    }
+    publisher.close().await;
+    consumer.stop().await;
 }

@@ -10,7 +10,8 @@
 //! per message and recorded on the row. Every other error, including a timed
 //! out record whose status is "possibly persisted", fails the whole batch: it is
 //! retried, and a record that did reach the broker becomes a duplicate with the
-//! same message id, never a loss.
+//! same message id, never a loss. So is a record librdkafka reports delivered
+//! without an offset: it inferred that, the broker never said it.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -244,8 +245,20 @@ impl Publisher for KafkaPublisher {
             }
         }
         let mut batch_error = None;
+        let mut without_offset = 0usize;
         for (i, report) in join_all(pending).await {
             outcomes[i] = Some(match report {
+                // librdkafka reports the records of a request that failed with
+                // an uncertain outcome as delivered, with no offset, once a
+                // later request to the partition succeeds ("implicit ack"): a
+                // broker that checks idempotent sequence numbers would have
+                // refused the later request had the earlier one been lost. Not
+                // every Kafka-protocol broker checks them (librdkafka's mock
+                // cluster does not), so only a report with an offset is a yes.
+                Ok(Ok(delivery)) if delivery.offset < 0 => {
+                    without_offset += 1;
+                    continue;
+                }
                 Ok(Ok(delivery)) => Ok(Receipt::Kafka {
                     partition: delivery.partition,
                     offset: delivery.offset,
@@ -266,6 +279,14 @@ impl Publisher for KafkaPublisher {
         if let Some(e) = batch_error {
             self.recover_if_stuck(&producer, Some(&e));
             return Err(PublishError::new("kafka: delivery failed", e));
+        }
+        if without_offset > 0 {
+            // The whole batch goes again, as for any uncertain failure: the
+            // rest of each key stays behind these records.
+            return Err(PublishError::msg(format!(
+                "kafka: {without_offset} record(s) reported delivered without an offset \
+                 (implicitly acknowledged after an uncertain failure); not taken as confirmed"
+            )));
         }
         Ok(outcomes
             .into_iter()
