@@ -366,10 +366,11 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
           value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub batch_size: i64,
-    /// Batches at the broker (published, not yet settled) at once. One more
-    /// batch is claimed ahead meanwhile, so pipeline + 1 Postgres connections
-    /// are used. 3 keeps the broker busy while batches are claimed and
-    /// settled; a crash can repeat at most this many batches.
+    /// Batches at the broker (published, awaiting confirms) at once: the
+    /// confirm window. pipeline + 1 workers, each with its own Postgres
+    /// connection, claim and settle around them, so a batch is ready whenever
+    /// a slot frees. 3 keeps the broker busy; a crash can repeat at most
+    /// pipeline + 1 batches.
     #[arg(long, env = "OUTBOX_PIPELINE", default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=32))]
     pub pipeline: u16,

@@ -1,10 +1,12 @@
 //! The relay loop: claim a batch, publish it, settle it, repeat.
 //!
 //! `pipeline + 1` workers run the loop side by side, each on its own Postgres
-//! connection. At most `pipeline` batches are at the broker or being settled at
-//! once (a semaphore); the extra worker claims the next batch meanwhile, so a
-//! batch is ready the moment a slot frees and the broker never waits on a
-//! claim. Row locks keep the workers apart; the claim's head-of-key rule keeps
+//! connection. At most `pipeline` batches are at the broker at once (a
+//! semaphore, the confirm window); a slot frees as soon as the broker has
+//! answered, so the extra worker's batch, claimed meanwhile, goes out while
+//! the answered one settles, and the broker never waits on a claim or a
+//! settle. Every worker holds one batch at most, so a crash repeats at most
+//! `pipeline + 1` batches. Row locks keep the workers apart; the claim's head-of-key rule keeps
 //! each key's rows in order across them (see [`crate::source::claim`]).
 
 use std::collections::HashSet;
@@ -30,8 +32,9 @@ use crate::Error;
 pub struct Settings {
     /// Rows claimed and published per batch.
     pub batch_size: i64,
-    /// Batches published and not yet settled at once; one more is claimed
-    /// ahead (pipeline + 1 Postgres connections).
+    /// Batches at the broker awaiting confirms at once (the confirm window);
+    /// pipeline + 1 workers claim and settle around them, so at most
+    /// pipeline + 1 batches are published and not yet settled.
     pub pipeline: usize,
     /// Longest wait between claims when no NOTIFY arrives.
     pub poll_interval: Duration,
@@ -429,11 +432,10 @@ impl<P: Publisher> Worker<P> {
                 .fetch_add(seqs.len() as u64, Ordering::Relaxed);
             return Ok(BatchEnd::Settled);
         }
-        // Wait for a slot: while `pipeline` batches are out, this one stays
-        // claimed and ready. Held until the settle commits, so no more than
-        // `pipeline` batches are ever published and unsettled at once (the
-        // duplicate bound of a crash).
-        let Ok(_slot) = self.in_flight.acquire().await else {
+        // Wait for a slot: while `pipeline` batches are at the broker, this one
+        // stays claimed and ready. The slot is the confirm window: it is given
+        // back once the broker has answered, and the settle runs outside it.
+        let Ok(slot) = self.in_flight.acquire().await else {
             return Ok(BatchEnd::Settled); // closed: never, the relay owns it
         };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
@@ -478,6 +480,7 @@ impl<P: Publisher> Worker<P> {
         };
         #[cfg(feature = "mutants")]
         crate::mutants::after_ack();
+        drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
         self.queries
             .settle_published(&tx, &batch, &plan.published)

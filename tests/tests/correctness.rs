@@ -107,7 +107,7 @@ async fn kill_9_at_random_intervals(sink: Sink, messages: usize) {
     }
     let written = writers.await.expect("writers");
     let report = settle(&db, &sink, &written).await;
-    let bound = kills * BATCH * PIPELINE;
+    let bound = kills * BATCH * (PIPELINE + 1);
     record(
         TMP,
         &format!("{}: kill -9 x{kills} at random intervals", sink.broker()),
@@ -244,7 +244,7 @@ async fn black_holed_then_reset(db: TestDb, sink: Sink, proxy: &Proxy) {
     let written = writers.await.expect("writers");
     let report = settle(&db, &sink, &written).await;
     // Only batches in flight when the link went silent can repeat.
-    let bound = 2 * BATCH * PIPELINE;
+    let bound = 2 * BATCH * (PIPELINE + 1);
     record(
         TMP,
         &format!("{}: black-holed 10s, then reset", sink.broker()),

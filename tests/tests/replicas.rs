@@ -143,7 +143,7 @@ async fn three_replicas_killed_and_paused(sink: Sink, messages: usize) {
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &sink.seen());
-    let bound = (kills + pauses) * BATCH * PIPELINE;
+    let bound = (kills + pauses) * BATCH * (PIPELINE + 1);
     outbox_tests::check::record(
         TMP,
         &format!(
