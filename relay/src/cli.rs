@@ -29,10 +29,17 @@ pub fn main() -> ExitCode {
         Err(e) => {
             // One line: the error and its causes.
             eprintln!("error: {e:#}");
-            // A selection the command refuses is a usage error, like clap's.
-            match e.downcast_ref::<ops::OpsError>() {
-                Some(ops::OpsError::Selection(_)) => ExitCode::from(2),
-                _ => ExitCode::FAILURE,
+            // A selection the command refuses, or a flag whose value turns
+            // out unusable (an unreadable file, a bad certificate), is a usage
+            // error, like clap's.
+            let usage = matches!(
+                e.downcast_ref::<ops::OpsError>(),
+                Some(ops::OpsError::Selection(_))
+            ) || e.downcast_ref::<crate::config::ConfigError>().is_some();
+            if usage {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
             }
         }
     }
