@@ -6,8 +6,9 @@
 //! answered, so the extra worker's batch, claimed meanwhile, goes out while
 //! the answered one settles, and the broker never waits on a claim or a
 //! settle. Every worker holds one batch at most, so a crash repeats at most
-//! `pipeline + 1` batches. Row locks keep the workers apart; the claim's head-of-key rule keeps
-//! each key's rows in order across them (see [`crate::source::claim`]).
+//! `pipeline + 1` batches. Row locks keep the workers apart; the claim's
+//! head-of-key rule keeps each key's rows in order across them (see
+//! [`crate::source::claim`]).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -171,7 +172,8 @@ struct Worker<P: Publisher> {
     publisher: Arc<P>,
     settings: Settings,
     stats: Arc<Stats>,
-    /// Slots for batches between publish and commit: `pipeline` of them.
+    /// The confirm window: `pipeline` slots, each held by a batch from its
+    /// publish until the broker has answered.
     in_flight: Arc<tokio::sync::Semaphore>,
 }
 
@@ -482,9 +484,7 @@ impl<P: Publisher> Worker<P> {
         crate::mutants::after_ack();
         drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
-        self.queries
-            .settle_published(&tx, &batch, &plan.published)
-            .await?;
+        self.queries.settle_published(&tx, &plan.published).await?;
         self.queries.fail(&tx, &plan.failed).await?;
         self.queries.dead_letter(&tx, &plan.dead).await?;
         tx.commit().await?;
@@ -552,7 +552,7 @@ fn count_by_destination(
 }
 
 fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
-    let deleted: HashSet<i64> = plan.published.iter().map(|p| p.0).collect();
+    let deleted: HashSet<i64> = plan.published.iter().map(|p| p.0.seq).collect();
     let failed: HashSet<i64> = plan.failed.iter().map(|f| f.0).collect();
     let dead: HashSet<i64> = plan.dead.iter().map(|d| d.0).collect();
     count_by_destination(batch, |e| deleted.contains(&e.seq), "published");
@@ -570,9 +570,9 @@ fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
 
 /// What to do with each row of a published batch.
 #[derive(Debug, Default, PartialEq)]
-struct SettlePlan {
+struct SettlePlan<'a> {
     /// Confirmed rows, with what the broker said.
-    published: Vec<(i64, Receipt)>,
+    published: Vec<(&'a Envelope, Receipt)>,
     failed: Vec<(i64, String, Duration)>,
     dead: Vec<(i64, String)>,
     held: usize,
@@ -653,11 +653,11 @@ async fn publish_in_waves<P: Publisher>(
 /// they are: unsent ones (`None`) wait, and confirmed ones — possible only if the
 /// broker refused one message of a lane and accepted the next — are not deleted
 /// either, so they are published again after the refused one.
-fn settle_plan(
-    batch: &[Envelope],
+fn settle_plan<'a>(
+    batch: &'a [Envelope],
     outcomes: &[Option<Outcome>],
     settings: &Settings,
-) -> SettlePlan {
+) -> SettlePlan<'a> {
     let mut plan = SettlePlan::default();
     let mut blocked: HashSet<&str> = HashSet::new();
     for (env, outcome) in batch.iter().zip(outcomes) {
@@ -672,7 +672,7 @@ fn settle_plan(
             continue;
         };
         match outcome {
-            Ok(receipt) => plan.published.push((env.seq, *receipt)),
+            Ok(receipt) => plan.published.push((env, *receipt)),
             Err(rejection) => {
                 if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
                     plan.dead.push((env.seq, rejection.reason.clone()));
@@ -742,8 +742,8 @@ mod tests {
         }
     }
 
-    fn seqs(published: &[(i64, Receipt)]) -> Vec<i64> {
-        published.iter().map(|p| p.0).collect()
+    fn seqs(published: &[(&Envelope, Receipt)]) -> Vec<i64> {
+        published.iter().map(|p| p.0.seq).collect()
     }
 
     fn routed(seq: i64, key: &str, rk: &str) -> Envelope {
@@ -823,8 +823,9 @@ mod tests {
         let settings = Settings::default();
         let mut tired = env(2, Some("k"));
         tired.attempts = settings.max_attempts - 1;
+        let batch = [env(1, None), tired, env(3, None)];
         let plan = settle_plan(
-            &[env(1, None), tired, env(3, None)],
+            &batch,
             &[
                 Some(Err(Rejection::permanent("too large"))),
                 Some(Err(Rejection::retryable("no route"))),

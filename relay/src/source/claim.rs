@@ -152,29 +152,23 @@ impl Queries {
         tx.execute(self.delete.as_str(), &[&seqs]).await
     }
 
-    /// Settles rows of `batch` the broker confirmed: deletes them, or in
-    /// retention mode moves them to `published` with their receipts.
+    /// Settles rows the broker confirmed: deletes them, or in retention mode
+    /// moves them to `published` with their receipts.
     pub async fn settle_published(
         &self,
         tx: &Transaction<'_>,
-        batch: &[Envelope],
-        published: &[(i64, Receipt)],
+        published: &[(&Envelope, Receipt)],
     ) -> Result<u64, tokio_postgres::Error> {
         if published.is_empty() {
             return Ok(0);
         }
-        let seqs: Vec<i64> = published.iter().map(|p| p.0).collect();
+        let seqs: Vec<i64> = published.iter().map(|p| p.0.seq).collect();
         let Some(retain) = &self.retain else {
             return tx.execute(self.delete.as_str(), &[&seqs]).await;
         };
-        let by_seq: std::collections::HashMap<i64, &Envelope> =
-            batch.iter().map(|e| (e.seq, e)).collect();
         let receipts: Vec<String> = published
             .iter()
-            .map(|(seq, receipt)| match by_seq.get(seq) {
-                Some(env) => receipt.to_json(env).to_string(),
-                None => "null".to_owned(), // never: every settled seq is in the batch
-            })
+            .map(|(env, receipt)| receipt.to_json(env).to_string())
             .collect();
         tx.execute(retain.as_str(), &[&seqs, &receipts]).await
     }

@@ -125,6 +125,37 @@ fn relay_settings(args: &Args) -> outbox_relay::Settings {
     }
 }
 
+/// Runs `args.pipeline` tasks side by side, each sending its share of
+/// `args.messages` in chunks of `args.batch`: `send(task, sent, n)` sends one
+/// chunk and waits for its confirms. Returns msgs/s.
+async fn fan_out<F, Fut>(args: &Args, send: F) -> anyhow::Result<f64>
+where
+    F: Fn(usize, usize, usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let per_task = args.messages / args.pipeline;
+    let batch = args.batch;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..args.pipeline)
+        .map(|t| {
+            let send = send.clone();
+            tokio::spawn(async move {
+                let mut sent = 0;
+                while sent < per_task {
+                    let n = batch.min(per_task - sent);
+                    send(t, sent, n).await?;
+                    sent += n;
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
+    Ok(rate(per_task * args.pipeline, started.elapsed()))
+}
+
 async fn drain_with(
     relays: Vec<outbox_tests::InProcessRelay>,
     messages: usize,
@@ -259,18 +290,11 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     pub_ch
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    let started = Instant::now();
-    let per_task = args.messages / args.pipeline;
-    let mut tasks = Vec::new();
-    for _ in 0..args.pipeline {
-        let ch = Arc::clone(&pub_ch);
-        let exchange = exchange.clone();
-        let payload = payload.clone();
-        let batch = args.batch;
-        tasks.push(tokio::spawn(async move {
-            let mut sent = 0;
-            while sent < per_task {
-                let n = batch.min(per_task - sent);
+    let raw = fan_out(args, {
+        let (ch, exchange, payload) = (pub_ch, exchange.clone(), payload.clone());
+        move |_, _, n| {
+            let (ch, exchange, payload) = (Arc::clone(&ch), exchange.clone(), payload.clone());
+            async move {
                 let mut confirms = Vec::with_capacity(n);
                 for _ in 0..n {
                     let props = BasicProperties::default()
@@ -295,15 +319,11 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
                         anyhow::bail!("raw publish not acked");
                     }
                 }
-                sent += n;
+                Ok(())
             }
-            Ok(())
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
-    let raw = rate(per_task * args.pipeline, started.elapsed());
+        }
+    })
+    .await?;
     ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
         .await?;
 
@@ -321,45 +341,37 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
         use outbox_relay::publish::Publisher;
         publisher.ready().await?;
     }
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for t in 0..args.pipeline {
-        let publisher = Arc::clone(&publisher);
-        let exchange = exchange.clone();
-        let payload = payload.clone();
-        let (batch, keys) = (args.batch, args.keys.max(1));
-        tasks.push(tokio::spawn(async move {
+    let publisher_only = fan_out(args, {
+        let (publisher, exchange, payload) =
+            (Arc::clone(&publisher), exchange.clone(), payload.clone());
+        let (per_task, keys) = (args.messages / args.pipeline, args.keys.max(1));
+        move |t, sent, n| {
             use outbox_relay::publish::{Envelope, Publisher};
-            let mut sent = 0;
-            while sent < per_task {
-                let n = batch.min(per_task - sent);
-                let envelopes: Vec<Envelope> = (0..n)
-                    .map(|i| Envelope {
-                        seq: (t * per_task + sent + i) as i64,
-                        message_id: uuid::Uuid::now_v7(),
-                        destination: exchange.clone(),
-                        ordering_key: Some(format!("key-{}", (sent + i) % keys)),
-                        routing_key: "bench".into(),
-                        headers: Vec::new(),
-                        payload: payload.clone(),
-                        content_type: None,
-                        created_at: std::time::SystemTime::now(),
-                        attempts: 0,
-                    })
-                    .collect();
+            let publisher = Arc::clone(&publisher);
+            let envelopes: Vec<Envelope> = (0..n)
+                .map(|i| Envelope {
+                    seq: (t * per_task + sent + i) as i64,
+                    message_id: uuid::Uuid::now_v7(),
+                    destination: exchange.clone(),
+                    ordering_key: Some(format!("key-{}", (sent + i) % keys)),
+                    routing_key: "bench".into(),
+                    headers: Vec::new(),
+                    payload: payload.clone(),
+                    content_type: None,
+                    created_at: std::time::SystemTime::now(),
+                    attempts: 0,
+                })
+                .collect();
+            async move {
                 let outcomes = publisher.publish(&envelopes).await?;
                 if outcomes.iter().any(|o| o.is_err()) {
                     anyhow::bail!("relay publisher: a message was refused");
                 }
-                sent += n;
+                Ok(())
             }
-            Ok(())
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
-    let publisher_only = rate(per_task * args.pipeline, started.elapsed());
+        }
+    })
+    .await?;
     {
         use outbox_relay::publish::Publisher;
         publisher.close().await;
