@@ -1,4 +1,5 @@
-//! `cargo run --release -p outbox-tests --bin bench -- [--messages N] [--keys K]`
+//! `cargo run --release -p outbox-tests --bin bench -- [--messages N] [--keys K]
+//! [--rounds R] [--replicas N]`
 //!
 //! Measures, in one run on this machine:
 //! 1. `enqueue_batch` into the outbox (1 KiB payloads, 1,000 per statement);
@@ -6,6 +7,10 @@
 //!    confirm window: `pipeline` tasks each sending `batch` messages then
 //!    awaiting their confirms — the ceiling for any relay on this broker;
 //! 3. the relay draining the same number of messages from a backlog.
+//!
+//! With `--rounds R`, steps 2 and 3 alternate R times and the median is
+//! reported (each round's pair goes to stderr); `--replicas N` drains the
+//! backlog once more with 2..=N replicas (default 3).
 //!
 //! Figures are reported as msgs/s and as a ratio to the raw publisher, since
 //! absolute numbers move with whatever else the machine is doing.
@@ -30,6 +35,8 @@ struct Args {
     keys: usize,
     batch: usize,
     pipeline: usize,
+    rounds: usize,
+    replicas: usize,
 }
 
 fn parse_args() -> Args {
@@ -39,6 +46,8 @@ fn parse_args() -> Args {
         keys: 10_000,
         batch: 500,
         pipeline: 3,
+        rounds: 1,
+        replicas: 3,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -60,8 +69,10 @@ fn parse_args() -> Args {
             ("--keys", Some(v)) => a.keys = v,
             ("--batch", Some(v)) => a.batch = v,
             ("--pipeline", Some(v)) => a.pipeline = v,
+            ("--rounds", Some(v)) if v > 0 => a.rounds = v,
+            ("--replicas", Some(v)) if v > 0 => a.replicas = v,
             (other, _) => {
-                eprintln!("usage: bench [--messages N] [--keys K] [--batch B] [--pipeline P] (bad: {other})");
+                eprintln!("usage: bench [--broker amqp|kafka|all] [--messages N] [--keys K] [--batch B] [--pipeline P] [--rounds R] [--replicas N] (bad: {other})");
                 std::process::exit(2);
             }
         }
@@ -290,42 +301,32 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     pub_ch
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    let raw = fan_out(args, {
-        let (ch, exchange, payload) = (pub_ch, exchange.clone(), payload.clone());
-        move |_, _, n| {
-            let (ch, exchange, payload) = (Arc::clone(&ch), exchange.clone(), payload.clone());
-            async move {
-                let mut confirms = Vec::with_capacity(n);
-                for _ in 0..n {
-                    let props = BasicProperties::default()
-                        .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                        .with_delivery_mode(2);
-                    confirms.push(
-                        ch.basic_publish(
-                            exchange.as_str().into(),
-                            "k".into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                immediate: false,
-                            },
-                            &payload,
-                            props,
-                        )
-                        .await?,
-                    );
-                }
-                for c in join_all(confirms).await {
-                    if !matches!(c?, Confirmation::Ack(None)) {
-                        anyhow::bail!("raw publish not acked");
-                    }
-                }
-                Ok(())
-            }
-        }
-    })
-    .await?;
-    ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
-        .await?;
+    let db = TestDb::new().await;
+    outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+    // Rounds alternate the baseline and the 1-replica drain, so each ratio
+    // compares two runs seconds apart on the same machine.
+    let mut rounds = Vec::new();
+    let mut enqueue = 0.0;
+    for round in 0..args.rounds {
+        let raw = raw_lapin(args, &pub_ch, &exchange, &payload).await?;
+        ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        enqueue = fill_outbox(&db, &exchange, args).await?;
+        let started = Instant::now();
+        let relay = outbox_tests::InProcessRelay::amqp(&db, relay_settings(args));
+        let drain = drain_with(vec![relay], args.messages, started).await;
+        ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+            .await?;
+        eprintln!(
+            "round {}: raw {raw:.0} msgs/s, relay {drain:.0} msgs/s, ratio {:.2}",
+            round + 1,
+            drain / raw
+        );
+        rounds.push((raw, drain));
+    }
+    let raw = median(rounds.iter().map(|r| r.0).collect());
+    let drain = median(rounds.iter().map(|r| r.1).collect());
+    let ratio = median(rounds.iter().map(|r| r.1 / r.0).collect());
 
     // 1b. The relay's own publisher, fed from memory: the relay's broker-side
     // cost without Postgres, to tell the two apart.
@@ -379,19 +380,9 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
         .await?;
 
-    // 2. enqueue_batch into a fresh outbox.
-    let db = TestDb::new().await;
-    outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
-    let enqueue = fill_outbox(&db, &exchange, args).await?;
-
-    // 3. The relay drains the backlog.
-    let started = Instant::now();
-    let relay = outbox_tests::InProcessRelay::amqp(&db, relay_settings(args));
-    let drain = drain_with(vec![relay], args.messages, started).await;
-
-    // 4. The same backlog drained by 2 and 3 replicas sharing the partitions.
+    // 2. The same backlog drained by 2 and 3 replicas sharing the partitions.
     let mut replicated = Vec::new();
-    for n in [2usize, 3] {
+    for n in 2..=args.replicas {
         fill_outbox(&db, &exchange, args).await?;
         ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
             .await?;
@@ -415,9 +406,7 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     );
     println!(
         "{:<44} {:>10.0} {:>8.2}",
-        "relay drain to rabbitmq (1 replica)",
-        drain,
-        drain / raw
+        "relay drain to rabbitmq (1 replica)", drain, ratio
     );
     for (n, r) in &replicated {
         println!(
@@ -439,4 +428,53 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     let _ = conn.close(200, "bench done".into()).await;
     db.cleanup().await;
     Ok(())
+}
+
+/// Raw lapin, persistent and mandatory, `args.pipeline` tasks each waiting for
+/// the confirms of `args.batch` messages at a time: the relay's confirm window.
+async fn raw_lapin(
+    args: &Args,
+    pub_ch: &Arc<lapin::Channel>,
+    exchange: &str,
+    payload: &[u8],
+) -> anyhow::Result<f64> {
+    fan_out(args, {
+        let (ch, exchange, payload) = (Arc::clone(pub_ch), exchange.to_owned(), payload.to_vec());
+        move |_, _, n| {
+            let (ch, exchange, payload) = (Arc::clone(&ch), exchange.clone(), payload.clone());
+            async move {
+                let mut confirms = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let props = BasicProperties::default()
+                        .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                        .with_delivery_mode(2);
+                    confirms.push(
+                        ch.basic_publish(
+                            exchange.as_str().into(),
+                            "k".into(),
+                            BasicPublishOptions {
+                                mandatory: true,
+                                immediate: false,
+                            },
+                            &payload,
+                            props,
+                        )
+                        .await?,
+                    );
+                }
+                for c in join_all(confirms).await {
+                    if !matches!(c?, Confirmation::Ack(None)) {
+                        anyhow::bail!("raw publish not acked");
+                    }
+                }
+                Ok(())
+            }
+        }
+    })
+    .await
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
