@@ -23,7 +23,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::backoff::{delay_for, Backoff};
 use crate::publish::{Envelope, Outcome, Publisher, Receipt};
-use crate::source::claim::Queries;
+use crate::source::claim::{Prepared, Queries};
 use crate::source::ownership::{self, Owned, OwnershipSettings};
 use crate::source::{self, listener, retention, Database};
 use crate::Error;
@@ -348,10 +348,23 @@ impl<P: Publisher> Worker<P> {
                     continue;
                 }
             };
+            let prepared = match self.queries.prepare(&client).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(worker = self.id, error = %e, "cannot prepare the claim; retrying");
+                    if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
             reconnect.reset();
             while !shutdown.is_cancelled() {
                 wake.borrow_and_update();
-                match self.batch_until_grace(&mut client, &shutdown).await {
+                match self
+                    .batch_until_grace(&mut client, &prepared, &shutdown)
+                    .await
+                {
                     Some(Ok(BatchEnd::Settled)) => broker.reset(),
                     Some(Ok(BatchEnd::Empty)) => {
                         broker.reset();
@@ -374,9 +387,13 @@ impl<P: Publisher> Worker<P> {
                             self.stats.postgres_up.store(false, Ordering::Relaxed);
                             continue 'connect;
                         }
+                        // A fresh session re-prepares the statements: one
+                        // whose cached plan went stale (a column changed type
+                        // under it) would fail the same way on every batch.
                         if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
                             break 'connect;
                         }
+                        continue 'connect;
                     }
                     None => {
                         tracing::warn!(
@@ -396,17 +413,22 @@ impl<P: Publisher> Worker<P> {
     async fn batch_until_grace(
         &self,
         client: &mut Client,
+        prepared: &Prepared,
         shutdown: &CancellationToken,
     ) -> Option<Result<BatchEnd, BatchError>> {
         let grace = self.settings.shutdown_grace;
         tokio::select! {
             biased;
-            r = self.batch(client) => Some(r),
+            r = self.batch(client, prepared) => Some(r),
             _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => None,
         }
     }
 
-    async fn batch(&self, client: &mut Client) -> Result<BatchEnd, BatchError> {
+    async fn batch(
+        &self,
+        client: &mut Client,
+        prepared: &Prepared,
+    ) -> Result<BatchEnd, BatchError> {
         let partitions = Arc::clone(&self.owned.borrow());
         if partitions.is_empty() {
             return Ok(BatchEnd::Empty);
@@ -415,7 +437,7 @@ impl<P: Publisher> Worker<P> {
         let claimed_at = std::time::Instant::now();
         let batch = self
             .queries
-            .claim(&tx, self.settings.batch_size, &partitions)
+            .claim(&tx, prepared, self.settings.batch_size, &partitions)
             .await?;
         #[cfg(feature = "mutants")]
         let batch = crate::mutants::apply_watermark(batch);
@@ -484,7 +506,9 @@ impl<P: Publisher> Worker<P> {
         crate::mutants::after_ack();
         drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
-        self.queries.settle_published(&tx, &plan.published).await?;
+        self.queries
+            .settle_published(&tx, prepared, &plan.published)
+            .await?;
         self.queries.fail(&tx, &plan.failed).await?;
         self.queries.dead_letter(&tx, &plan.dead).await?;
         tx.commit().await?;

@@ -16,10 +16,20 @@
 use std::time::{Duration, SystemTime};
 
 use outbox_client::SchemaName;
-use tokio_postgres::{Row, Transaction};
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, Row, Statement, Transaction};
 use uuid::Uuid;
 
 use crate::publish::{Envelope, Receipt};
+
+/// The statements a worker runs for every batch, prepared once per connection:
+/// Postgres parses them once per session instead of once per batch.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    claim: Statement,
+    /// Deletes confirmed rows, or in retention mode moves them to `published`.
+    settle: Statement,
+}
 
 /// The SQL text for one schema, built once.
 #[derive(Debug, Clone)]
@@ -126,17 +136,37 @@ impl Queries {
         client.execute(self.exists.as_str(), &[]).await.map(|_| ())
     }
 
+    /// Prepares the per-batch statements on `client`.
+    pub async fn prepare(&self, client: &Client) -> Result<Prepared, tokio_postgres::Error> {
+        let claim = client
+            .prepare_typed(&self.claim, &[Type::INT8, Type::INT2_ARRAY])
+            .await?;
+        let settle = match &self.retain {
+            Some(retain) => {
+                client
+                    .prepare_typed(retain, &[Type::INT8_ARRAY, Type::TEXT_ARRAY])
+                    .await?
+            }
+            None => {
+                client
+                    .prepare_typed(&self.delete, &[Type::INT8_ARRAY])
+                    .await?
+            }
+        };
+        Ok(Prepared { claim, settle })
+    }
+
     /// Locks and returns up to `limit` ready rows of the `partitions` this
-    /// replica owns, oldest first.
+    /// replica owns, oldest first. `prepared` must come from the connection
+    /// `tx` runs on.
     pub async fn claim(
         &self,
         tx: &Transaction<'_>,
+        prepared: &Prepared,
         limit: i64,
         partitions: &[i16],
     ) -> Result<Vec<Envelope>, tokio_postgres::Error> {
-        let rows = tx
-            .query(self.claim.as_str(), &[&limit, &partitions])
-            .await?;
+        let rows = tx.query(&prepared.claim, &[&limit, &partitions]).await?;
         rows.iter().map(envelope).collect()
     }
 
@@ -157,20 +187,21 @@ impl Queries {
     pub async fn settle_published(
         &self,
         tx: &Transaction<'_>,
+        prepared: &Prepared,
         published: &[(&Envelope, Receipt)],
     ) -> Result<u64, tokio_postgres::Error> {
         if published.is_empty() {
             return Ok(0);
         }
         let seqs: Vec<i64> = published.iter().map(|p| p.0.seq).collect();
-        let Some(retain) = &self.retain else {
-            return tx.execute(self.delete.as_str(), &[&seqs]).await;
-        };
+        if self.retain.is_none() {
+            return tx.execute(&prepared.settle, &[&seqs]).await;
+        }
         let receipts: Vec<String> = published
             .iter()
             .map(|(env, receipt)| receipt.to_json(env).to_string())
             .collect();
-        tx.execute(retain.as_str(), &[&seqs, &receipts]).await
+        tx.execute(&prepared.settle, &[&seqs, &receipts]).await
     }
 
     /// Deletes up to `limit` published rows older than `retention`; returns
