@@ -296,7 +296,8 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     )
     .await?;
 
-    // 1. Raw lapin baseline with the relay's confirm window.
+    // 1. Rounds of the raw lapin baseline (the relay's confirm window) and the
+    // relay draining a backlog with one replica.
     let pub_ch = Arc::new(conn.create_channel().await?);
     pub_ch
         .confirm_select(ConfirmSelectOptions::default())
@@ -380,7 +381,8 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
         .await?;
 
-    // 2. The same backlog drained by 2 and 3 replicas sharing the partitions.
+    // 2. The same backlog drained by 2..=`--replicas` replicas sharing the
+    // partitions.
     let mut replicated = Vec::new();
     for n in 2..=args.replicas {
         fill_outbox(&db, &exchange, args).await?;
