@@ -5,7 +5,10 @@
 //! 1. `enqueue_batch` into the outbox (1 KiB payloads, 1,000 per statement);
 //! 2. a raw lapin publisher (persistent, mandatory, confirms) with the relay's
 //!    confirm window: `pipeline` tasks each sending `batch` messages then
-//!    awaiting their confirms — the ceiling for any relay on this broker;
+//!    awaiting their confirms — the ceiling for any relay on this broker. It
+//!    sends messages of the shape the relay sends (same payload, routing key
+//!    and properties), and the run fails if the broker saw two shapes: the
+//!    broker's cost per message depends on its size;
 //! 3. the relay draining the same number of messages from a backlog.
 //!
 //! With `--rounds R`, steps 2 and 3 alternate R times and the median is
@@ -28,6 +31,10 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 use outbox_client::Message;
 use outbox_tests::db::TestDb;
+
+/// Routing key and content type of every benchmark message, whoever sends it.
+const ROUTING_KEY: &str = "bench";
+const CONTENT_TYPE: &str = "application/octet-stream";
 
 struct Args {
     broker: String,
@@ -113,7 +120,8 @@ async fn fill_outbox(db: &TestDb, destination: &str, args: &Args) -> anyhow::Res
             .map(|i| {
                 Message::builder(destination)
                     .key(format!("key-{}", i % args.keys.max(1)))
-                    .routing_key("bench")
+                    .routing_key(ROUTING_KEY)
+                    .content_type(CONTENT_TYPE)
                     .payload(payload.clone())
                     .build()
             })
@@ -310,12 +318,19 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     let mut enqueue = 0.0;
     for round in 0..args.rounds {
         let raw = raw_lapin(args, &pub_ch, &exchange, &payload).await?;
+        let raw_shape = shape(&ch, &queue).await?;
         ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
             .await?;
         enqueue = fill_outbox(&db, &exchange, args).await?;
         let started = Instant::now();
         let relay = outbox_tests::InProcessRelay::amqp(&db, relay_settings(args));
         let drain = drain_with(vec![relay], args.messages, started).await;
+        let relay_shape = shape(&ch, &queue).await?;
+        if raw_shape != relay_shape {
+            anyhow::bail!(
+                "the baseline and the relay sent different messages:\n  raw:   {raw_shape}\n  relay: {relay_shape}"
+            );
+        }
         ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
             .await?;
         eprintln!(
@@ -356,10 +371,10 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
                     message_id: uuid::Uuid::now_v7(),
                     destination: exchange.clone(),
                     ordering_key: Some(format!("key-{}", (sent + i) % keys)),
-                    routing_key: "bench".into(),
+                    routing_key: ROUTING_KEY.into(),
                     headers: Vec::new(),
                     payload: payload.clone(),
-                    content_type: None,
+                    content_type: Some(CONTENT_TYPE.into()),
                     created_at: std::time::SystemTime::now(),
                     attempts: 0,
                 })
@@ -447,13 +462,20 @@ async fn raw_lapin(
             async move {
                 let mut confirms = Vec::with_capacity(n);
                 for _ in 0..n {
+                    // What the relay sends for a row without headers.
+                    let timestamp = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs());
                     let props = BasicProperties::default()
                         .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                        .with_delivery_mode(2);
+                        .with_delivery_mode(2)
+                        .with_timestamp(timestamp)
+                        .with_headers(FieldTable::default())
+                        .with_content_type(CONTENT_TYPE.into());
                     confirms.push(
                         ch.basic_publish(
                             exchange.as_str().into(),
-                            "k".into(),
+                            ROUTING_KEY.into(),
                             BasicPublishOptions {
                                 mandatory: true,
                                 immediate: false,
@@ -474,6 +496,36 @@ async fn raw_lapin(
         }
     })
     .await
+}
+
+/// What the broker stored for one message of `queue`, ids and times aside:
+/// the size and properties that decide what a message costs the broker.
+async fn shape(ch: &lapin::Channel, queue: &str) -> anyhow::Result<String> {
+    let Some(got) = ch
+        .basic_get(
+            queue.into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await?
+    else {
+        anyhow::bail!("queue {queue} is empty after a run");
+    };
+    let p = &got.delivery.properties;
+    Ok(format!(
+        "routing key {:?}, {} body bytes, content type {:?}, delivery mode {:?}, \
+         message id of {} chars, timestamp {}, headers {:?}",
+        got.delivery.routing_key.as_str(),
+        got.delivery.data.len(),
+        p.content_type().as_ref().map(|c| c.as_str()),
+        p.delivery_mode(),
+        p.message_id().as_ref().map_or(0, |m| m.as_str().len()),
+        if p.timestamp().is_some() {
+            "set"
+        } else {
+            "unset"
+        },
+        p.headers().as_ref().map(|h| h.inner().len()),
+    ))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
