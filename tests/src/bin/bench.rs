@@ -231,10 +231,18 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
             let record = FutureRecord::to(&raw_topic)
                 .key(key.as_bytes())
                 .payload(&payload)
-                .headers(OwnedHeaders::new().insert(Header {
-                    key: "message-id",
-                    value: Some(id.as_str()),
-                }));
+                // The headers the relay sets for a row without its own.
+                .headers(
+                    OwnedHeaders::new()
+                        .insert(Header {
+                            key: "message-id",
+                            value: Some(id.as_str()),
+                        })
+                        .insert(Header {
+                            key: "content-type",
+                            value: Some(CONTENT_TYPE),
+                        }),
+                );
             reports.push(producer.send_result(record).map_err(|(e, _)| e)?);
         }
         for r in join_all(reports).await {
