@@ -121,16 +121,17 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
             &format!(
                 "WITH present AS ( \
                     SELECT objid::int AS slot, pid FROM pg_locks \
-                    WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 2 AND granted), \
+                    WHERE {held} AND classid::int8 = $1), \
                  owned AS ( \
                     SELECT pid, array_agg(objid::int ORDER BY objid) AS parts FROM pg_locks \
-                    WHERE locktype = 'advisory' AND classid::int8 = $2 AND objsubid = 2 AND granted \
+                    WHERE {held} AND classid::int8 = $2 \
                     GROUP BY pid) \
                  SELECT p.slot, r.host, r.pid, r.started_at, r.seen_at, r.in_flight, r.published, \
                         r.broker_down_since, r.broker_error, coalesce(o.parts, '{{}}'), \
                         (SELECT min(since) FROM {s}.partition_owners po WHERE po.slot = p.slot) \
                  FROM present p LEFT JOIN {s}.replicas r ON r.slot = p.slot \
-                 LEFT JOIN owned o ON o.pid = p.pid ORDER BY r.started_at"
+                 LEFT JOIN owned o ON o.pid = p.pid ORDER BY r.started_at",
+                held = crate::source::ownership::ADVISORY_HELD_HERE,
             ),
             &[&i64::from(keys.presence), &i64::from(keys.partitions)],
         )

@@ -272,3 +272,52 @@ fn value_text(v: &AMQPValue) -> String {
         other => format!("{other:?}"),
     }
 }
+
+/// Declares a direct exchange bound to `fixture`'s queue with `routing_key`
+/// only, so a message with any other routing key is unroutable.
+pub async fn declare_direct_exchange_bound(fixture: &Fixture, name: &str, routing_key: &str) {
+    let conn = connect().await.expect("connect to rabbitmq");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_declare(
+        name.into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare exchange");
+    ch.queue_bind(
+        fixture.queue.as_str().into(),
+        name.into(),
+        routing_key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("bind");
+    let _ = conn.close(200, "ok".into()).await;
+}
+
+/// Sets the broker's `max_message_size` (bytes) for channels opened from now
+/// on, through `rabbitmqctl eval`.
+pub async fn set_max_message_size(bytes: usize) {
+    rabbitmqctl(&[
+        "eval",
+        &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+    ])
+    .await;
+}
+
+/// Runs `rabbitmqctl` with `args`, panicking with its output when it fails.
+pub async fn rabbitmqctl(args: &[&str]) {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .await
+        .expect("run rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

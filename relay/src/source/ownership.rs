@@ -35,6 +35,14 @@ use crate::engine::Stats;
 /// Number of virtual partitions; fixed by the schema (migration V2).
 pub const PARTITIONS: i16 = 64;
 
+/// The condition on `pg_locks` that selects granted two-key advisory locks of
+/// *this* database. Advisory locks are per database, but `pg_locks` lists the
+/// whole cluster's: without the database filter, relays of two databases
+/// that use the same schema name would count each other as peers. Every read
+/// of `pg_locks` (ownership, `status`, metrics) goes through it.
+pub const ADVISORY_HELD_HERE: &str = "locktype = 'advisory' AND objsubid = 2 AND granted \
+     AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+
 /// Advisory-lock namespaces of one schema, as `(key1)` of the two-key form.
 #[derive(Debug, Clone, Copy)]
 pub struct LockKeys {
@@ -193,8 +201,10 @@ async fn own(
         // lowest slots taking the remainder, so every replica agrees on them.
         let slots: Vec<i32> = client
             .query_one(
-                "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{}') FROM pg_locks \
-                 WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 2 AND granted",
+                &format!(
+                    "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{{}}') FROM pg_locks \
+                     WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
+                ),
                 &[&i64::from(keys.presence)],
             )
             .await?
@@ -244,8 +254,9 @@ async fn own(
         }
         let owned_by_anyone: i64 = client
             .query_one(
-                "SELECT count(*) FROM pg_locks \
-                 WHERE locktype = 'advisory' AND classid::int8 = $1 AND objsubid = 2 AND granted",
+                &format!(
+                    "SELECT count(*) FROM pg_locks WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
+                ),
                 &[&i64::from(keys.partitions)],
             )
             .await?
