@@ -78,9 +78,15 @@ pub use message::{Message, MessageBuilder, MessageId, RESERVED_HEADERS};
 pub use migrate::{migrate, set_notify};
 pub use schema::SchemaName;
 
-/// Default payload limit: 1 MiB, the size most brokers accept without tuning
-/// (Kafka's `message.max.bytes` default is about 1 MB).
-pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// Default payload limit: 960 KiB (983,040 bytes), so that every message the
+/// client accepts fits both brokers untuned. librdkafka refuses a record over
+/// its `message.max.bytes` (1,000,000 by default) and a Kafka broker one over
+/// 1,048,588; the 16 KiB between this limit and librdkafka's leave room for
+/// the key and headers. RabbitMQ takes up to 128 MiB. To raise it, raise
+/// `message.max.bytes` on the relay's producer (`--kafka-config`) and the
+/// topic's `max.message.bytes` first; a message over the broker's limit goes
+/// to the dead letters.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 960 * 1024;
 
 /// Writes messages to one outbox schema. Cheap to clone; build one at start-up.
 #[derive(Debug, Clone)]

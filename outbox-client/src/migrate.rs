@@ -26,6 +26,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V5__retention",
         include_str!("../../migrations/V5__retention.sql"),
     ),
+    (
+        "V6__claim_paths",
+        include_str!("../../migrations/V6__claim_paths.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.

@@ -202,6 +202,35 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (use a unit, e.g. 250ms, 5s, 1m)"))
 }
 
+/// A byte count: a plain number, or one with a unit (KiB, MiB, GiB; KB, MB,
+/// GB; B). At least 1.
+fn parse_bytes(s: &str) -> Result<i64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: i64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count (e.g. 8MiB, 512KiB, 1048576)"))?;
+    let scale: i64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} (use B, KiB, MiB, GiB, KB, MB or GB)"
+            ))
+        }
+    };
+    match n.checked_mul(scale) {
+        Some(v) if v >= 1 => Ok(v),
+        _ => Err(format!("{s:?} must be at least 1 byte and fit in 63 bits")),
+    }
+}
+
 /// Where the outbox lives.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
@@ -366,6 +395,15 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
           value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub batch_size: i64,
+    /// Payload bytes per batch (e.g. 8MiB, 512KiB, or a plain number): a
+    /// claim stops adding rows when the next would pass it, and a single
+    /// larger message goes alone. With pipeline + 1 batches claimed at once,
+    /// the relay holds at most about (pipeline + 1) x this in payloads, plus
+    /// one message over it; keep that well under the container's memory
+    /// limit (the defaults, 4 x 8 MiB, fit a 256 MiB limit with room). It also
+    /// keeps a Kafka batch inside librdkafka's local queue (64 MiB).
+    #[arg(long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "8MiB", value_parser = parse_bytes)]
+    pub batch_max_bytes: i64,
     /// Batches at the broker (published, awaiting confirms) at once: the
     /// confirm window. pipeline + 1 workers, each with its own Postgres
     /// connection, claim and settle around them, so a batch is ready whenever
@@ -541,6 +579,7 @@ impl RunArgs {
             broker,
             settings: Settings {
                 batch_size: self.batch_size,
+                batch_max_bytes: self.batch_max_bytes,
                 pipeline: usize::from(self.pipeline),
                 poll_interval: self.poll_interval,
                 retry_base: self.retry_base,

@@ -23,7 +23,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::backoff::{delay_for, Backoff};
 use crate::publish::{Envelope, Outcome, Publisher, Receipt};
-use crate::source::claim::{Prepared, Queries};
+use crate::source::claim::{ClaimLimits, Prepared, Queries};
 use crate::source::ownership::{self, Owned, OwnershipSettings};
 use crate::source::{self, listener, retention, Database};
 use crate::Error;
@@ -33,6 +33,9 @@ use crate::Error;
 pub struct Settings {
     /// Rows claimed and published per batch.
     pub batch_size: i64,
+    /// Payload bytes per batch: a claim stops adding rows when the next one
+    /// would pass this (a single larger row still goes, alone).
+    pub batch_max_bytes: i64,
     /// Batches at the broker awaiting confirms at once (the confirm window);
     /// pipeline + 1 workers claim and settle around them, so at most
     /// pipeline + 1 batches are published and not yet settled.
@@ -67,6 +70,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             batch_size: 500,
+            batch_max_bytes: 8 * 1024 * 1024,
             pipeline: 3,
             poll_interval: Duration::from_secs(1),
             retry_base: Duration::from_secs(1),
@@ -175,6 +179,21 @@ struct Worker<P: Publisher> {
     /// The confirm window: `pipeline` slots, each held by a batch from its
     /// publish until the broker has answered.
     in_flight: Arc<tokio::sync::Semaphore>,
+    /// The payload bytes all claimed batches share, in KiB: (pipeline + 1) x
+    /// `batch_max_bytes`. A batch holds its share from claim to settle, so a
+    /// message larger than one batch's limit (it goes alone) cannot be held
+    /// by every worker at once.
+    payload_budget: Arc<tokio::sync::Semaphore>,
+    /// The budget's size in KiB.
+    payload_budget_kib: u32,
+}
+
+/// KiB of the shared payload budget a batch of `bytes` takes (at least 1, at
+/// most the whole budget).
+fn budget_share(bytes: usize, budget_kib: u32) -> u32 {
+    u32::try_from(bytes.div_ceil(1024))
+        .unwrap_or(u32::MAX)
+        .clamp(1, budget_kib.max(1))
 }
 
 enum BatchEnd {
@@ -275,9 +294,13 @@ impl<P: Publisher> Relay<P> {
         }
         let pipeline = self.settings.pipeline.max(1);
         let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
+        let payload_budget_kib = self.payload_budget_kib();
+        let payload_budget = Arc::new(tokio::sync::Semaphore::new(payload_budget_kib as usize));
         for id in 0..=pipeline {
             let worker = Worker {
                 in_flight: Arc::clone(&in_flight),
+                payload_budget: Arc::clone(&payload_budget),
+                payload_budget_kib,
                 id,
                 owned: owned.clone(),
                 pg: self.pg.clone(),
@@ -297,6 +320,15 @@ impl<P: Publisher> Relay<P> {
             "relay stopped"
         );
         Ok(())
+    }
+
+    /// The shared payload budget in KiB: one batch's byte limit per worker.
+    fn payload_budget_kib(&self) -> u32 {
+        let workers = self.settings.pipeline.max(1) as i64 + 1;
+        let kib = self.settings.batch_max_bytes.max(1).saturating_mul(workers) / 1024;
+        u32::try_from(kib.max(1))
+            .unwrap_or(u32::MAX >> 4)
+            .min(u32::MAX >> 4)
     }
 
     /// Waits for Postgres to answer, then fails fast if the outbox is missing.
@@ -435,15 +467,35 @@ impl<P: Publisher> Worker<P> {
         }
         let tx = client.transaction().await?;
         let claimed_at = std::time::Instant::now();
-        let batch = self
+        // Everything from the claim to the settle must end within half the
+        // hold limit: past the full limit Postgres ends the session and
+        // another replica may take the rows. Half leaves margin for the
+        // settle and for the clocks of two machines.
+        let deadline = tokio::time::Instant::from_std(claimed_at) + self.settings.hold_limit / 2;
+        let limits = ClaimLimits {
+            rows: self.settings.batch_size,
+            bytes: self.settings.batch_max_bytes,
+            park_recheck: self.settings.retry_max,
+        };
+        let claimed = self
             .queries
-            .claim(&tx, prepared, self.settings.batch_size, &partitions)
+            .claim(&tx, prepared, &limits, &partitions)
             .await?;
+        let holds = claimed.holds;
         #[cfg(feature = "mutants")]
-        let batch = crate::mutants::apply_watermark(batch);
+        let batch = crate::mutants::apply_watermark(claimed.batch);
+        #[cfg(not(feature = "mutants"))]
+        let batch = claimed.batch;
         if batch.is_empty() {
+            // Rows set aside behind a blocked head leave the fresh path, so
+            // the next claim reaches the other keys at once.
+            let held = self.queries.hold(&tx, &holds).await?;
             tx.commit().await?;
-            return Ok(BatchEnd::Empty);
+            return Ok(if held > 0 {
+                BatchEnd::Settled
+            } else {
+                BatchEnd::Empty
+            });
         }
         #[cfg(feature = "mutants")]
         if crate::mutants::active() == Some(crate::mutants::Mutant::AckBeforeConfirm) {
@@ -456,6 +508,15 @@ impl<P: Publisher> Worker<P> {
                 .fetch_add(seqs.len() as u64, Ordering::Relaxed);
             return Ok(BatchEnd::Settled);
         }
+        // The batch's share of the payload budget, held until it settles.
+        let bytes: usize = batch.iter().map(|e| e.payload.len()).sum();
+        let Ok(_share) = self
+            .payload_budget
+            .acquire_many(budget_share(bytes, self.payload_budget_kib))
+            .await
+        else {
+            return Ok(BatchEnd::Settled); // closed: never, the relay owns it
+        };
         // Wait for a slot: while `pipeline` batches are at the broker, this one
         // stays claimed and ready. The slot is the confirm window: it is given
         // back once the broker has answered, and the settle runs outside it.
@@ -463,11 +524,9 @@ impl<P: Publisher> Worker<P> {
             return Ok(BatchEnd::Settled); // closed: never, the relay owns it
         };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
-        // stall) may have lost its rows to another replica by now: Postgres ends
-        // a session idle in a transaction past the hold limit. Publishing them
-        // would only make duplicates, so drop the batch; half the limit leaves
-        // margin for the clocks of the two machines.
-        if claimed_at.elapsed() > self.settings.hold_limit / 2 {
+        // stall) may have lost its rows to another replica by now. Publishing
+        // them would only make duplicates, so drop the batch.
+        if tokio::time::Instant::now() >= deadline {
             self.stats.stale_batches.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
             return Ok(BatchEnd::Settled);
@@ -476,7 +535,26 @@ impl<P: Publisher> Worker<P> {
             .in_flight
             .fetch_add(batch.len() as i64, Ordering::Relaxed);
         let publish_started = std::time::Instant::now();
-        let published = publish_in_waves(self.publisher.as_ref(), &batch).await;
+        let published = match tokio::time::timeout_at(
+            deadline,
+            publish_in_waves(self.publisher.as_ref(), &batch),
+        )
+        .await
+        {
+            Ok(published) => published,
+            Err(_) => {
+                // Connecting, opening a channel, a broker that blocked the
+                // connection (resource alarm) or confirms that never come:
+                // whatever held it up, the batch is abandoned before its
+                // rows can pass to another replica, and the publisher drops
+                // whatever could still send it.
+                self.publisher.abandon().await;
+                Err(crate::publish::PublishError::msg(format!(
+                    "batch not answered within {:?} of its claim (half the hold limit); abandoned",
+                    self.settings.hold_limit / 2
+                )))
+            }
+        };
         metrics::histogram!(crate::metrics::PUBLISH)
             .record(publish_started.elapsed().as_secs_f64());
         self.stats
@@ -510,6 +588,7 @@ impl<P: Publisher> Worker<P> {
             .settle_published(&tx, prepared, &plan.published)
             .await?;
         self.queries.fail(&tx, &plan.failed).await?;
+        self.queries.hold(&tx, &holds).await?;
         self.queries.dead_letter(&tx, &plan.dead).await?;
         tx.commit().await?;
         self.stats

@@ -539,13 +539,15 @@ pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Res
     let moved = client
         .execute(
             &format!(
-                "WITH moved AS (DELETE FROM {s}.dead_letters WHERE {wher} RETURNING *) \
+                "WITH moved AS (DELETE FROM {s}.dead_letters WHERE {wher} RETURNING *), \
+                 {unhold} \
                  INSERT INTO {s}.messages (seq, message_id, destination, ordering_key, routing_key, \
                                            headers, payload, content_type, created_at, last_error) \
                  OVERRIDING SYSTEM VALUE \
                  SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
                         content_type, created_at, 'retried from dead letters: ' || last_error \
-                 FROM moved ORDER BY seq"
+                 FROM moved ORDER BY seq",
+                unhold = unhold_keys_of(&s, "moved"),
             ),
             &refs,
         )
@@ -569,12 +571,32 @@ pub async fn discard(
     require_selection(filter)?;
     let (wher, params) = filter.sql();
     let refs = as_refs(&params);
-    Ok(client
-        .execute(
-            &format!("DELETE FROM {}.dead_letters WHERE {wher}", schema.quoted()),
+    let s = schema.quoted();
+    let row = client
+        .query_one(
+            &format!(
+                "WITH gone AS (DELETE FROM {s}.dead_letters WHERE {wher} RETURNING ordering_key), \
+                 {unhold} \
+                 SELECT count(*) FROM gone",
+                unhold = unhold_keys_of(&s, "gone"),
+            ),
             &refs,
         )
-        .await?)
+        .await?;
+    Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+}
+
+/// A CTE named `unheld` that brings back the rows a claim set aside behind
+/// the dead letters in CTE `source` (rows never refused themselves, waiting
+/// behind their key's head), so the key flows again at once rather than at
+/// the next recheck. Safe however it races: the claim's head-of-key rule
+/// still holds back any row whose older rows remain.
+fn unhold_keys_of(schema: &str, source: &str) -> String {
+    format!(
+        "unheld AS (UPDATE {schema}.messages SET next_attempt_at = '-infinity' \
+           WHERE ordering_key IN (SELECT ordering_key FROM {source} WHERE ordering_key IS NOT NULL) \
+             AND attempts = 0 AND next_attempt_at > '-infinity' RETURNING 1)"
+    )
 }
 
 /// Where message `id` is: pending (with its attempts and error), in flight,
@@ -602,7 +624,11 @@ pub async fn locate(
         Ok(Some(r)) => {
             let next: SystemTime = r.get(7);
             Some(json!({
-                "state": if r.get::<_, i32>(3) > 0 { "retrying" } else { "pending" },
+                "state": match (r.get::<_, i32>(3), next > SystemTime::now()) {
+                    (0, true) => "held",
+                    (0, false) => "pending",
+                    _ => "retrying",
+                },
                 "seq": r.get::<_, i64>(0),
                 "destination": r.get::<_, String>(1),
                 "key": r.get::<_, Option<String>>(2),
@@ -708,7 +734,7 @@ fn with_id(mut v: serde_json::Value, id: Uuid) -> serde_json::Value {
 pub fn locate_text(v: &serde_json::Value) -> String {
     let id = v["message_id"].as_str().unwrap_or("");
     match v["state"].as_str() {
-        Some("pending") | Some("retrying") => format!(
+        Some("pending") | Some("retrying") | Some("held") => format!(
             "{id}: {} to {:?} (key {}), {} failed attempts{}; written {} ago\n",
             v["state"].as_str().unwrap_or(""),
             v["destination"].as_str().unwrap_or(""),

@@ -507,11 +507,11 @@ impl Publisher for AmqpPublisher {
                 match confirm.await {
                     Ok(Confirmation::Ack(r)) => Answer::Confirmed {
                         acked: true,
-                        returned: r.as_ref().map(|r| Returned::from_lapin(r)),
+                        returned: r.as_ref().map(Returned::from_lapin),
                     },
                     Ok(Confirmation::Nack(r)) => Answer::Confirmed {
                         acked: false,
-                        returned: r.as_ref().map(|r| Returned::from_lapin(r)),
+                        returned: r.as_ref().map(Returned::from_lapin),
                     },
                     Ok(Confirmation::NotRequested) => {
                         Answer::Lost(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
@@ -553,6 +553,24 @@ impl Publisher for AmqpPublisher {
 
     async fn ready(&self) -> Result<(), PublishError> {
         self.connection().await.map(|_| ())
+    }
+
+    /// A batch ran out of time. On a connection the broker blocked (resource
+    /// alarm), lapin writes nothing until the alarm clears, and every later
+    /// batch is refused before sending, so keeping the connection bounds the
+    /// copies to the batches already handed over. Any other stall (a
+    /// black-holed socket, a broker that stopped answering) drops the
+    /// connection: the next batch starts on a fresh one.
+    async fn abandon(&self) {
+        let blocked = self
+            .link
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|l| l.connection.status().blocked());
+        if !blocked {
+            self.drop_link().await;
+        }
     }
 
     async fn close(&self) {

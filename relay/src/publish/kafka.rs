@@ -222,7 +222,18 @@ impl Publisher for KafkaPublisher {
         let producer = self.producer();
         let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
         let mut pending = Vec::with_capacity(batch.len());
+        // Keys with a record librdkafka refused here (too large, invalid):
+        // their later records are not queued, so nothing overtakes the
+        // refused one.
+        let mut refused: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for (i, env) in batch.iter().enumerate() {
+            let key = env.ordering_key.as_deref();
+            if key.is_some_and(|k| refused.contains(k)) {
+                outcomes[i] = Some(Err(Rejection::retryable(
+                    "held back behind an earlier refused record of its key",
+                )));
+                continue;
+            }
             let mut record = FutureRecord::<[u8], [u8]>::to(&env.destination)
                 .payload(&env.payload)
                 .headers(headers(env));
@@ -232,6 +243,9 @@ impl Publisher for KafkaPublisher {
             match producer.send_result(record) {
                 Ok(delivery) => pending.push(async move { (i, delivery.await) }),
                 Err((e, _)) if rejection(&e).is_some() => {
+                    if let Some(k) = key {
+                        refused.insert(k);
+                    }
                     outcomes[i] = rejection(&e).map(Err);
                 }
                 Err((e, _)) => {

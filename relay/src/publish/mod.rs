@@ -168,6 +168,14 @@ pub trait Publisher: Send + Sync + 'static {
     /// Checks that the broker can be reached, connecting if needed.
     fn ready(&self) -> impl Future<Output = Result<(), PublishError>> + Send + '_;
 
+    /// Called when a batch was given up mid-publish (it ran past its
+    /// deadline): drop whatever could still send its messages later, so the
+    /// copies an abandoned batch can leave behind stay bounded. The default
+    /// does nothing.
+    fn abandon(&self) -> impl Future<Output = ()> + Send + '_ {
+        std::future::ready(())
+    }
+
     /// Waits for everything handed to the broker to be answered, then disconnects.
     fn close(&self) -> impl Future<Output = ()> + Send + '_;
 }

@@ -31,10 +31,35 @@ pub struct Prepared {
     settle: Statement,
 }
 
+/// How much one claim may take.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimLimits {
+    /// Rows per batch.
+    pub rows: i64,
+    /// Payload bytes per batch; a single larger row still goes alone.
+    pub bytes: i64,
+    /// How long the rows of a key parked behind a dead letter are set aside
+    /// before a claim looks at them again (a retry or discard of the dead
+    /// letter brings them back at once).
+    pub park_recheck: Duration,
+}
+
+/// What one claim found.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    /// Rows to publish, oldest first.
+    pub batch: Vec<Envelope>,
+    /// Rows of blocked keys to set aside, with until when.
+    pub holds: Vec<(i64, SystemTime)>,
+    /// Rows claimed but blocked behind an older row of their key.
+    pub blocked: usize,
+}
+
 /// The SQL text for one schema, built once.
 #[derive(Debug, Clone)]
 pub struct Queries {
     claim: String,
+    hold: String,
     delete: String,
     fail: String,
     dead_letter: String,
@@ -53,37 +78,83 @@ impl Queries {
         let t = format!("{}.messages", schema.quoted());
         let dl = format!("{}.dead_letters", schema.quoted());
         let pb = format!("{}.published", schema.quoted());
-        let parked = if park {
-            format!(
-                " AND NOT EXISTS (SELECT 1 FROM {dl} d \
-                   WHERE d.ordering_key = m.ordering_key AND d.seq < m.seq)"
-            )
+        let parked_from = if park {
+            format!("(SELECT min(d.seq) FROM {dl} d WHERE d.ordering_key = k.k)")
         } else {
-            String::new()
+            "NULL::bigint".to_owned()
         };
         Queries {
-            // The columns come from the locking scan itself. A row another
+            // Two locking scans, each bounded by the batch size: fresh rows in
+            // seq order, and rows whose own time has come (retries, and rows
+            // set aside behind their key's head). Neither walks rows that are
+            // waiting, so what a blocked key holds back costs nothing here.
+            //
+            // The columns come from the locking scans themselves. A row another
             // batch settled after this statement's snapshot was taken is
             // returned as its newest, locked version; read back through a
             // second scan of the table it would show the snapshot's version,
             // with a stale `attempts`, and a message would be retried once more
-            // than `max_attempts` allows.
+            // than `max_attempts` allows. Only the payload, which never
+            // changes, is read back, and only for rows that go out.
+            //
+            // `kept` is the oldest prefix of the locked rows that fits the
+            // batch's row and byte limits (one row always fits), so every row
+            // left out is younger than every row kept. A kept row is blocked
+            // when an older row of its key is not kept (in flight elsewhere,
+            // waiting out a retry, set aside) or, when parking, an older
+            // message of its key is dead-lettered. A blocked row is returned
+            // without its payload, with the time to set it aside until when
+            // its blocker is waiting (nothing when the blocker is merely in
+            // flight in another batch).
             claim: format!(
-                "WITH cand AS ( \
-                    SELECT seq, message_id, destination, ordering_key, routing_key, \
-                           headers, payload, content_type, created_at, attempts \
+                "WITH fresh AS ( \
+                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
+                           content_type, created_at, attempts, octet_length(payload)::int8 AS size \
                     FROM {t} \
-                    WHERE next_attempt_at <= now() AND partition = ANY($2::smallint[]) \
-                    ORDER BY seq \
-                    LIMIT $1 \
-                    FOR UPDATE SKIP LOCKED \
+                    WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
+                    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
+                 ), due AS ( \
+                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
+                           content_type, created_at, attempts, octet_length(payload)::int8 AS size \
+                    FROM {t} \
+                    WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
+                      AND partition = ANY($2::smallint[]) \
+                    ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
+                 ), cand AS ( \
+                    SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before \
+                    FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c \
+                    WINDOW w AS (ORDER BY c.seq) \
+                 ), kept AS ( \
+                    SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $3) \
+                 ), keys AS ( \
+                    SELECT ordering_key AS k, max(seq) AS top FROM kept \
+                    WHERE ordering_key IS NOT NULL GROUP BY 1 \
+                 ), gate AS ( \
+                    SELECT k.k, b.seq AS gap, b.next_attempt_at AS gap_until, {parked_from} AS parked_from \
+                    FROM keys k LEFT JOIN LATERAL ( \
+                        SELECT p.seq, p.next_attempt_at FROM {t} p \
+                        WHERE p.ordering_key = k.k AND p.seq < k.top \
+                          AND p.seq NOT IN (SELECT seq FROM kept) \
+                        ORDER BY p.seq LIMIT 1) b ON true \
+                 ), verdict AS ( \
+                    SELECT m.*, \
+                           coalesce(g.gap < m.seq, false) OR coalesce(g.parked_from < m.seq, false) AS blocked, \
+                           CASE WHEN g.parked_from < m.seq \
+                                  THEN greatest(now() + make_interval(secs => $4), g.gap_until) \
+                                WHEN g.gap < m.seq AND g.gap_until > now() THEN g.gap_until \
+                           END AS hold_until \
+                    FROM kept m LEFT JOIN gate g ON g.k = m.ordering_key \
                  ) \
-                 SELECT m.* FROM cand m \
-                 WHERE m.ordering_key IS NULL OR (NOT EXISTS ( \
-                    SELECT 1 FROM {t} p \
-                    WHERE p.ordering_key = m.ordering_key AND p.seq < m.seq \
-                      AND p.seq NOT IN (SELECT seq FROM cand)){parked}) \
-                 ORDER BY m.seq"
+                 SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
+                        v.content_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
+                        CASE WHEN v.blocked THEN NULL ELSE t.payload END AS payload \
+                 FROM verdict v JOIN {t} t ON t.seq = v.seq \
+                 ORDER BY v.seq"
+            ),
+            hold: format!(
+                "UPDATE {t} AS m SET next_attempt_at = u.until \
+                 FROM unnest($1::bigint[], $2::timestamptz[]) AS u(seq, until) \
+                 WHERE m.seq = u.seq AND m.next_attempt_at < u.until"
             ),
             dead_letter: format!(
                 "WITH f AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS f(seq, err)), \
@@ -139,7 +210,10 @@ impl Queries {
     /// Prepares the per-batch statements on `client`.
     pub async fn prepare(&self, client: &Client) -> Result<Prepared, tokio_postgres::Error> {
         let claim = client
-            .prepare_typed(&self.claim, &[Type::INT8, Type::INT2_ARRAY])
+            .prepare_typed(
+                &self.claim,
+                &[Type::INT8, Type::INT2_ARRAY, Type::INT8, Type::FLOAT8],
+            )
             .await?;
         let settle = match &self.retain {
             Some(retain) => {
@@ -156,18 +230,54 @@ impl Queries {
         Ok(Prepared { claim, settle })
     }
 
-    /// Locks and returns up to `limit` ready rows of the `partitions` this
-    /// replica owns, oldest first. `prepared` must come from the connection
-    /// `tx` runs on.
+    /// Locks and returns the oldest ready rows of the `partitions` this
+    /// replica owns, up to `limits`. `prepared` must come from the connection
+    /// `tx` runs on. Rows of keys whose head is blocked come back as holds,
+    /// to be set aside with [`Queries::hold`] in the same transaction.
     pub async fn claim(
         &self,
         tx: &Transaction<'_>,
         prepared: &Prepared,
-        limit: i64,
+        limits: &ClaimLimits,
         partitions: &[i16],
-    ) -> Result<Vec<Envelope>, tokio_postgres::Error> {
-        let rows = tx.query(&prepared.claim, &[&limit, &partitions]).await?;
-        rows.iter().map(envelope).collect()
+    ) -> Result<Claimed, tokio_postgres::Error> {
+        let rows = tx
+            .query(
+                &prepared.claim,
+                &[
+                    &limits.rows,
+                    &partitions,
+                    &limits.bytes,
+                    &limits.park_recheck.as_secs_f64(),
+                ],
+            )
+            .await?;
+        let mut claimed = Claimed::default();
+        for row in &rows {
+            if row.try_get::<_, bool>("blocked")? {
+                claimed.blocked += 1;
+                if let Some(until) = row.try_get::<_, Option<SystemTime>>("hold_until")? {
+                    claimed.holds.push((row.try_get("seq")?, until));
+                }
+            } else {
+                claimed.batch.push(envelope(row)?);
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Sets rows aside until the given times (never brings one forward).
+    pub async fn hold(
+        &self,
+        tx: &Transaction<'_>,
+        holds: &[(i64, SystemTime)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if holds.is_empty() {
+            return Ok(0);
+        }
+        let seqs: Vec<i64> = holds.iter().map(|h| h.0).collect();
+        let until: Vec<SystemTime> = holds.iter().map(|h| h.1).collect();
+        tx.execute(self.hold.as_str(), &[&seqs, &until]).await
     }
 
     /// Deletes rows the broker confirmed.

@@ -15,8 +15,10 @@ use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
+use std::time::Duration;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::tls::MakeTlsConnect;
+
 use tokio_postgres::{Client, Config, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -84,6 +86,25 @@ impl Database {
     /// Whether connections use verified TLS.
     pub fn tls(&self) -> bool {
         self.verify.is_some()
+    }
+
+    /// The same database with TCP settings that notice a dead peer within
+    /// `bound` instead of the kernel's two hours: keepalive probes on an idle
+    /// link, and `tcp_user_timeout` for data the peer never acknowledges
+    /// (a half-open connection while a statement is in flight). Settings the
+    /// connection string gives itself are kept.
+    pub fn with_dead_peer_bound(&self, bound: Duration) -> Database {
+        let mut db = self.clone();
+        let bound = bound.max(Duration::from_secs(2));
+        if db.config.get_tcp_user_timeout().is_none() {
+            db.config.tcp_user_timeout(bound);
+        }
+        db.config
+            .keepalives(true)
+            .keepalives_idle((bound / 3).max(Duration::from_secs(1)))
+            .keepalives_interval((bound / 6).max(Duration::from_secs(1)))
+            .keepalives_retries(3);
+        db
     }
 
     /// Opens a connection; the caller drives the returned `Connection`.

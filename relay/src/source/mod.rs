@@ -29,14 +29,22 @@ pub use database::Database;
 /// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
 /// server ends the session, releases the rows, and the relay's own late delete
 /// fails with it, so it can never settle rows someone else has since claimed.
+///
+/// Every other step of a batch fits in the same bound: `statement_timeout`
+/// (half the hold limit) stops a claim or settle that hangs on the server,
+/// and TCP keepalives with `tcp_user_timeout` (also half) end a connection
+/// whose peer vanished, which the kernel would otherwise keep for two hours.
 pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, tokio_postgres::Error> {
-    let client = db.connect_spawned().await?;
+    let half = hold_limit / 2;
+    let client = db.with_dead_peer_bound(half).connect_spawned().await?;
     client
         .batch_execute(&format!(
             "SET application_name = 'outbox-relay'; \
              SET synchronous_commit = off; \
-             SET idle_in_transaction_session_timeout = {}",
-            hold_limit.as_millis().max(1)
+             SET idle_in_transaction_session_timeout = {}; \
+             SET statement_timeout = {}",
+            hold_limit.as_millis().max(1),
+            half.as_millis().max(1)
         ))
         .await?;
     Ok(client)
