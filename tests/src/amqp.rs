@@ -214,24 +214,43 @@ async fn consume_once(
     sink: &Arc<Mutex<Vec<Delivery>>>,
     stop: &CancellationToken,
 ) -> lapin::Result<()> {
-    let conn = declare(exchange, queue).await?;
-    let ch = conn.create_channel().await?;
-    ch.basic_qos(500, BasicQosOptions::default()).await?;
-    let mut consumer = ch
-        .basic_consume(
-            queue.into(),
-            crate::unique("c").as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    // A broker still starting up can accept the TCP connection and then not
+    // answer the handshake; without a bound the consumer would wait there
+    // forever and every later delivery would look lost.
+    let setup = async {
+        let conn = declare(exchange, queue).await?;
+        let ch = conn.create_channel().await?;
+        ch.basic_qos(500, BasicQosOptions::default()).await?;
+        let consumer = ch
+            .basic_consume(
+                queue.into(),
+                crate::unique("c").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok::<_, lapin::Error>((conn, consumer))
+    };
+    let (conn, mut consumer) = match tokio::time::timeout(Duration::from_secs(10), setup).await {
+        Ok(r) => r?,
+        Err(_) => {
+            tracing::debug!("test consumer: no answer from rabbitmq within 10s; reconnecting");
+            return Ok(());
+        }
+    };
     loop {
         let next = tokio::select! {
             _ = stop.cancelled() => {
                 let _ = conn.close(200, "done".into()).await;
                 return Ok(());
             }
-            n = consumer.next() => n,
+            n = tokio::time::timeout(Duration::from_secs(5), consumer.next()) => match n {
+                Ok(n) => n,
+                // Quiet for a while: fine on a live connection, a reason to
+                // reconnect on a dead one that never reported its end.
+                Err(_) if conn.status().connected() => continue,
+                Err(_) => return Ok(()),
+            },
         };
         let Some(d) = next else { return Ok(()) };
         let d = d?;

@@ -5,6 +5,7 @@
 //! `OUTBOX_TEST_AMQP_URL`, defaulting to this machine's local services.
 
 pub mod amqp;
+pub mod cgroup;
 pub mod check;
 pub mod db;
 pub mod kafka;

@@ -78,6 +78,11 @@ impl RelayProcess {
         let _ = self.child.wait().await;
     }
 
+    /// The exit status if the process has ended (without waiting).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Waits for the process to exit and returns its exit code.
     pub async fn wait(&mut self) -> Option<i32> {
         self.child.wait().await.ok().and_then(|s| s.code())

@@ -204,3 +204,105 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// A memory alarm raised while batches are in flight: RabbitMQ blocks every
+/// publishing connection and stops reading from it, so confirms never come
+/// and `basic_publish` can wait with them. Each batch must still end within
+/// half the hold limit (abandoned, its rows unlocked, never held past the
+/// point where another replica could take them), batches claimed while the
+/// connection is blocked must not be sent at all, and once the alarm clears
+/// everything arrives with duplicates within one set of in-flight batches.
+/// Before the per-batch deadline a batch waited on the confirm timeout alone,
+/// which nothing tied to the hold limit.
+#[tokio::test]
+async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
+    let _broker = BROKER.lock().await;
+    outbox_tests::init_logging();
+    let started = std::time::Instant::now();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let settings = outbox_relay::Settings {
+        batch_size: 100,
+        pipeline: 3,
+        hold_limit: Duration::from_secs(6),
+        ..fast_settings()
+    };
+    let bound = settings.batch_size as usize * (settings.pipeline + 1);
+    // The confirm timeout (10 s) is longer than the batch deadline (3 s):
+    // only the deadline can end a blocked batch in time.
+    let relay = InProcessRelay::amqp(&db, settings);
+    let spec = Spec {
+        max_commit_delay: Duration::from_millis(20),
+        ..Spec::new(&rabbit.exchange, 4, 40, 6_000)
+    };
+    let writers = {
+        let config = db.config.clone();
+        let outbox = db.outbox();
+        tokio::spawn(async move { workload::run(&config, &outbox, &spec).await })
+    };
+    assert!(eventually(Duration::from_secs(60), || async { rabbit.count() > 300 }).await);
+    // The relay's sessions, by backend pid. A batch held past the hold limit
+    // has its session ended by the server (idle_in_transaction_session_timeout)
+    // and the relay reconnects under a new pid.
+    let sessions = || async {
+        let mut pids: Vec<i32> = db
+            .client
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+                 AND datname = current_database()",
+                &[],
+            )
+            .await
+            .expect("activity")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        pids.sort_unstable();
+        pids
+    };
+    let before = sessions().await;
+    rabbitmqctl(&["set_vm_memory_high_watermark", "0"]).await;
+    // Long enough for several batch deadlines and hold limits to pass.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let during = sessions().await;
+    rabbitmqctl(&["set_vm_memory_high_watermark", "0.4"]).await;
+    assert_eq!(
+        before, during,
+        "a relay session was ended by the server: a batch was held past the hold limit"
+    );
+    let written = writers.await.expect("writers");
+    assert!(
+        eventually(Duration::from_secs(120), || async {
+            db.pending().await == 0
+        })
+        .await,
+        "outbox not drained after the alarm cleared"
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            rabbit.count() >= written.committed.len()
+        })
+        .await,
+        "only {} of {} delivered",
+        rabbit.count(),
+        written.committed.len()
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
+    outbox_tests::check::record(
+        env!("CARGO_TARGET_TMPDIR"),
+        "amqp: memory alarm 15s",
+        &report,
+        started.elapsed(),
+        Some(bound),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(
+        report.duplicates <= bound,
+        "{} duplicates, more than the {bound} of one set of in-flight batches",
+        report.duplicates
+    );
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
