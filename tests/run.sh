@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: starts the services the suites need (Postgres, RabbitMQ and
-# the Kafka-protocol broker tansu, installing tansu once if it is missing) when
+# the Kafka-protocol broker tansu, installing tansu once if it is missing, and
+# PgBouncer from Debian's packages) when
 # they are not already up, then `cargo test --workspace`; stops what it started. Extra arguments go to cargo test.
 #
 #   bash tests/run.sh                 # everything
@@ -14,6 +15,7 @@ start_rabbitmq
 start_tansu
 trap stop_tansu EXIT
 ensure_python_consumers
+ensure_pgbouncer
 
 rows="${CARGO_TARGET_DIR:-target}/tmp/correctness"
 rm -rf "$rows"

@@ -31,6 +31,10 @@ start_rabbitmq() {
   rabbitmqctl -q start_app >/dev/null 2>&1 || true
   wait_for rabbitmq 90 rabbitmqctl -q await_startup
   wait_for rabbitmq-port 30 bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672'
+  # Undo what an interrupted suite may have left behind: a memory alarm
+  # (amqp_outage.rs) or a lowered message size limit (stalls.rs).
+  rabbitmqctl -q set_vm_memory_high_watermark 0.4 >/dev/null 2>&1 || true
+  rabbitmqctl -q eval 'application:set_env(rabbit, max_message_size, 134217728).' >/dev/null 2>&1 || true
 }
 
 # tansu: an Apache-2.0, Kafka-protocol broker from crates.io, run in memory.
@@ -75,5 +79,15 @@ ensure_python_consumers() {
   if ! python3 -c 'import pika, confluent_kafka' 2>/dev/null; then
     echo "installing python consumers' libraries (pika, confluent-kafka)"
     python3 -m pip install --quiet --disable-pip-version-check pika confluent-kafka
+  fi
+}
+
+# PgBouncer for the pooler suite (tests/tests/pooler.rs starts its own
+# instances with their own configs); installed from Debian's packages once.
+ensure_pgbouncer() {
+  if [ ! -x /usr/sbin/pgbouncer ] && ! command -v pgbouncer >/dev/null 2>&1; then
+    echo "installing pgbouncer (Debian package)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
   fi
 }

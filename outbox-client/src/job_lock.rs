@@ -26,7 +26,11 @@
 //!   at the first `COMMIT`, so a job that commits as it goes loses the lock after
 //!   its first batch; keeping one transaction open for the whole job instead holds
 //!   back vacuum and keeps every row it touched locked until the end.
-//! - **Not a pooled connection**: the lock belongs to the session. Returned to
+//! - **Not a pooled connection**: the lock belongs to the session. This
+//!   includes a transaction- or statement-mode pooler such as PgBouncer in
+//!   front of Postgres: [`run_exclusive`] checks for one and fails with
+//!   [`JobLockError::NoSession`] rather than take a lock that would stay
+//!   behind on a server connection. Returned to
 //!   the pool while held, it stays locked by a connection that now serves other
 //!   requests, and nobody runs the job until that connection closes. And session
 //!   locks are re-entrant: a second job that borrows the same connection "gets" a
@@ -67,6 +71,16 @@ pub enum JobLockError {
     /// Connecting to Postgres failed, or the lock query did.
     #[error("could not take the job lock")]
     Lock(#[source] tokio_postgres::Error),
+    /// The connection string leads to a transaction- or statement-mode pooler
+    /// (PgBouncer, RDS Proxy...): a session advisory lock would stay behind on
+    /// a pooled server connection. Connect to Postgres directly, or through a
+    /// session-mode pool.
+    #[error(
+        "the job lock needs a session of its own, but this connection goes through a \
+         transaction- or statement-mode pooler; connect to Postgres directly or through \
+         a session-mode pool"
+    )]
+    NoSession,
     /// The job ran, but the lock could not be released explicitly; closing the
     /// connection released it.
     #[error("could not release the job lock")]
@@ -128,13 +142,16 @@ pub async fn run_exclusive_with_tls<M, F, Fut, T>(
     job: F,
 ) -> Result<Exclusive<T>, JobLockError>
 where
-    M: MakeTlsConnect<Socket>,
+    M: MakeTlsConnect<Socket> + Clone,
     M::Stream: Send + 'static,
     F: FnOnce(Lease) -> Fut,
     Fut: Future<Output = T>,
 {
     check_key("job name", name).map_err(|_| JobLockError::EmptyName)?;
-    let (client, connection) = config.connect(tls).await.map_err(JobLockError::Lock)?;
+    let (client, connection) = config
+        .connect(tls.clone())
+        .await
+        .map_err(JobLockError::Lock)?;
     // The task ends when the client is dropped (or the server goes away), so it
     // cannot outlive this call by more than the close handshake.
     let driver = tokio::spawn(async move {
@@ -142,6 +159,18 @@ where
             tracing::debug!(error = %e, "job lock connection ended");
         }
     });
+    // A second connection made the same way, only to tell a real session
+    // from a pooled one.
+    let (mut probe, probe_connection) = config.connect(tls).await.map_err(JobLockError::Lock)?;
+    let probe_driver = tokio::spawn(probe_connection);
+    let session = crate::session::keeps_session(&client, &mut probe)
+        .await
+        .map_err(JobLockError::Lock);
+    drop(probe);
+    let _ = probe_driver.await;
+    if !session? {
+        return Err(JobLockError::NoSession);
+    }
     let client = Arc::new(client);
     let result = locked(&client, name, job).await;
     // Leases hold weak references, so this is the last strong one: dropping it

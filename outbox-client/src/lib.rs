@@ -69,6 +69,7 @@ mod message;
 mod migrate;
 mod schema;
 pub mod send_once;
+pub mod session;
 pub mod trace;
 
 use tokio_postgres::GenericClient;

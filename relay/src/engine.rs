@@ -203,10 +203,16 @@ enum BatchEnd {
 
 #[derive(Debug, thiserror::Error)]
 enum BatchError {
-    #[error("postgres: {0}")]
-    Postgres(#[from] tokio_postgres::Error),
+    #[error("postgres: {}", source::PgError(.0))]
+    Postgres(tokio_postgres::Error),
     #[error("broker: {0}")]
     Publish(#[from] crate::publish::PublishError),
+}
+
+impl From<tokio_postgres::Error> for BatchError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        BatchError::Postgres(e)
+    }
 }
 
 impl<P: Publisher> Relay<P> {
@@ -341,16 +347,17 @@ impl<P: Publisher> Relay<P> {
         loop {
             match source::connect(&self.pg, self.settings.hold_limit).await {
                 Ok(client) => {
+                    source::check_session(&self.pg).await?;
                     return queries
                         .check_schema(&client)
                         .await
                         .map_err(|e| Error::SchemaMissing {
                             schema: self.schema.to_string(),
-                            source: e,
+                            cause: e,
                         });
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot reach postgres; retrying");
+                    tracing::warn!(error = %source::PgError(&e), "cannot reach postgres; retrying");
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(()),
                         _ = tokio::time::sleep(backoff.next_delay()) => {}
@@ -373,7 +380,7 @@ impl<P: Publisher> Worker<P> {
                 }
                 Err(e) => {
                     self.stats.postgres_up.store(false, Ordering::Relaxed);
-                    tracing::warn!(worker = self.id, error = %e, "cannot connect to postgres");
+                    tracing::warn!(worker = self.id, error = %source::PgError(&e), "cannot connect to postgres");
                     if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
                         break;
                     }
@@ -383,7 +390,7 @@ impl<P: Publisher> Worker<P> {
             let prepared = match self.queries.prepare(&client).await {
                 Ok(p) => p,
                 Err(e) => {
-                    tracing::warn!(worker = self.id, error = %e, "cannot prepare the claim; retrying");
+                    tracing::warn!(worker = self.id, error = %source::PgError(&e), "cannot prepare the claim; retrying");
                     if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
                         break;
                     }

@@ -36,13 +36,13 @@ pub use engine::{Relay, Settings, Stats};
 #[non_exhaustive]
 pub enum Error {
     /// The outbox tables are not there.
-    #[error("outbox schema {schema:?} is not migrated; run `outbox-relay migrate` first")]
+    #[error("outbox schema {schema:?} is not migrated; run `outbox-relay migrate` first ({})", source::PgError(.cause))]
     SchemaMissing {
         /// The configured schema.
         schema: String,
-        /// What Postgres said.
-        #[source]
-        source: tokio_postgres::Error,
+        /// What Postgres said (shown in the message, not repeated as a
+        /// source, so a one-line report prints it once).
+        cause: tokio_postgres::Error,
     },
     /// A configuration value is unusable.
     #[error(transparent)]
@@ -51,8 +51,17 @@ pub enum Error {
     #[error(transparent)]
     Client(#[from] outbox_client::Error),
     /// A database operation outside the relay loop failed.
-    #[error("postgres: {0}")]
-    Postgres(#[from] tokio_postgres::Error),
+    #[error("postgres: {}", source::PgError(.0))]
+    Postgres(tokio_postgres::Error),
+    /// The connection is not a session of its own (a transaction pooler).
+    #[error(transparent)]
+    Session(#[from] source::SessionError),
+}
+
+impl From<tokio_postgres::Error> for Error {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Error::Postgres(e)
+    }
 }
 
 /// Runs the relay described by `config` until `shutdown` is cancelled, with
@@ -128,6 +137,8 @@ pub async fn migrate(
     db: &source::Database,
     schema: &outbox_client::SchemaName,
 ) -> Result<(), Error> {
+    // The migration holds a session advisory lock and sets search_path.
+    source::check_session(db).await?;
     let (mut client, connection) = db.connect().await?;
     let driver = tokio::spawn(connection);
     outbox_client::migrate(&mut client, schema.as_str()).await?;

@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod check;
 pub mod db;
 pub mod kafka;
+pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod sink;

@@ -105,7 +105,7 @@ async fn listen_once(
 
 #[derive(Debug, thiserror::Error)]
 enum ListenError {
-    #[error(transparent)]
+    #[error("{}", super::PgError(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("connection closed by the server")]
     Closed,

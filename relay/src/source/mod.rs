@@ -18,6 +18,44 @@ use tokio_postgres::Client;
 
 pub use database::Database;
 
+/// A Postgres error with what the server said: tokio-postgres shows only
+/// "db error" for an error the server reported, and keeps the server's
+/// severity, message, detail and hint in its source. One line, for logs.
+pub struct PgError<'a>(pub &'a tokio_postgres::Error);
+
+impl std::fmt::Display for PgError<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = self.0;
+        match e.as_db_error() {
+            Some(db) => {
+                write!(
+                    f,
+                    "{}: {} ({})",
+                    db.severity(),
+                    db.message(),
+                    db.code().code()
+                )?;
+                if let Some(detail) = db.detail() {
+                    write!(f, "; detail: {}", detail.replace('\n', " "))?;
+                }
+                if let Some(hint) = db.hint() {
+                    write!(f, "; hint: {}", hint.replace('\n', " "))?;
+                }
+                Ok(())
+            }
+            None => {
+                write!(f, "{e}")?;
+                let mut source = std::error::Error::source(e);
+                while let Some(s) = source {
+                    write!(f, ": {s}")?;
+                    source = s.source();
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Opens a connection for the relay's own use and drives it in the background.
 ///
 /// `synchronous_commit = off`: the relay's transactions only delete or annotate
@@ -48,4 +86,59 @@ pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, toki
         ))
         .await?;
     Ok(client)
+}
+
+/// Why the relay cannot work through this connection string.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// Session state did not stay with this client between two statements:
+    /// a transaction- or statement-mode pooler sits in front of Postgres.
+    #[error(
+        "postgres at {target} does not keep a session between statements, as a \
+         transaction- or statement-mode pooler (PgBouncer, RDS Proxy, Supavisor...) does; \
+         the relay needs one for its row locks, advisory locks and LISTEN: connect it \
+         to Postgres directly, or through a session-mode pool"
+    )]
+    Pooled {
+        /// Host, port and database, without credentials.
+        target: String,
+    },
+    /// The probe itself could not run.
+    #[error("cannot check the postgres session: {}", PgError(.0))]
+    Postgres(tokio_postgres::Error),
+}
+
+impl From<tokio_postgres::Error> for SessionError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        SessionError::Postgres(e)
+    }
+}
+
+/// Checks that a connection to `db` is a session of its own, as the relay
+/// needs: its claims hold row locks across statements, its ownership holds
+/// session advisory locks, and its listener holds LISTEN. Behind a
+/// transaction pooler each statement may run on another server connection,
+/// so the relay would half work: some batches fail, and partitions stay owned
+/// by server connections that no relay holds any more. See
+/// [`outbox_client::session::keeps_session`] for how it is told.
+pub async fn check_session(db: &Database) -> Result<(), SessionError> {
+    let first = db.connect_spawned().await?;
+    let mut second = db.connect_spawned().await?;
+    if outbox_client::session::keeps_session(&first, &mut second).await? {
+        return Ok(());
+    }
+    let c = db.config();
+    let host = c
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+        })
+        .unwrap_or_default();
+    let port = c.get_ports().first().copied().unwrap_or(5432);
+    Err(SessionError::Pooled {
+        target: format!("{host}:{port}/{}", c.get_dbname().unwrap_or("")),
+    })
 }

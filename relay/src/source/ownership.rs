@@ -105,7 +105,7 @@ pub async fn run(
         match result {
             Ok(()) => return,
             Err(e) => {
-                tracing::warn!(error = %e, "ownership session lost; claiming nothing until it is back")
+                tracing::warn!(error = %super::PgError(&e), "ownership session lost; claiming nothing until it is back")
             }
         }
         tokio::select! {

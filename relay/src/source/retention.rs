@@ -33,7 +33,7 @@ pub async fn run(
         let client = match super::connect(&pg, Duration::from_secs(60)).await {
             Ok(c) => c,
             Err(e) => {
-                tracing::debug!(error = %e, "retention cleanup cannot reach postgres");
+                tracing::debug!(error = %super::PgError(&e), "retention cleanup cannot reach postgres");
                 if crate::engine::sleep_or_cancel(backoff.next_delay(), &shutdown).await {
                     return;
                 }
@@ -46,7 +46,7 @@ pub async fn run(
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(deleted = n, "published rows past retention deleted"),
                 Err(e) => {
-                    tracing::warn!(error = %e, "retention cleanup failed; reconnecting");
+                    tracing::warn!(error = %super::PgError(&e), "retention cleanup failed; reconnecting");
                     break;
                 }
             }

@@ -11,6 +11,11 @@
 //!    broker's cost per message depends on its size;
 //! 3. the relay draining the same number of messages from a backlog.
 //!
+//! `--broker memory` instead measures the relay process's peak RSS while it
+//! drains backlogs of 1 KiB, 100 KiB, 1 MiB and mixed payloads to RabbitMQ,
+//! against the same process idle (it runs `outbox-relay` from
+//! `cargo build --release -p outbox-relay`).
+//!
 //! With `--rounds R`, steps 2 and 3 alternate R times and the median is
 //! reported (each round's pair goes to stderr); `--replicas N` drains the
 //! backlog once more with 2..=N replicas (default 3).
@@ -61,9 +66,9 @@ fn parse_args() -> Args {
     while i < argv.len() {
         if argv[i] == "--broker" {
             match argv.get(i + 1).map(String::as_str) {
-                Some(b @ ("amqp" | "kafka" | "all")) => a.broker = b.to_owned(),
+                Some(b @ ("amqp" | "kafka" | "all" | "memory")) => a.broker = b.to_owned(),
                 _ => {
-                    eprintln!("--broker takes amqp, kafka or all");
+                    eprintln!("--broker takes amqp, kafka, all or memory");
                     std::process::exit(2);
                 }
             }
@@ -104,6 +109,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.broker == "kafka" || args.broker == "all" {
         kafka(&args).await?;
+    }
+    if args.broker == "memory" {
+        memory().await?;
     }
     Ok(())
 }
@@ -544,4 +552,166 @@ fn median(mut v: Vec<f64>) -> f64 {
     } else {
         v[mid]
     }
+}
+
+/// Peak resident memory (VmHWM) of process `pid`, in KiB.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The release relay binary beside this benchmark's own.
+fn relay_binary() -> anyhow::Result<std::path::PathBuf> {
+    let me = std::env::current_exe()?;
+    let bin = me
+        .parent()
+        .map(|d| d.join("outbox-relay"))
+        .filter(|p| p.exists())
+        .ok_or_else(|| {
+            anyhow::anyhow!("build the relay first: cargo build --release -p outbox-relay")
+        })?;
+    Ok(bin)
+}
+
+/// Drains one backlog with a relay process and returns (seconds, peak RSS KiB).
+async fn drain_process(
+    bin: &std::path::Path,
+    db: &TestDb,
+    expected: usize,
+    consumer_queue: &str,
+    ch: &lapin::Channel,
+) -> anyhow::Result<(f64, u64)> {
+    let mut child = tokio::process::Command::new(bin)
+        .arg("run")
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .env("OUTBOX_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = child.id().unwrap_or(0);
+    let started = Instant::now();
+    loop {
+        let left: i64 = db
+            .client
+            .query_one(&format!("SELECT count(*) FROM {}", db.table()), &[])
+            .await?
+            .get(0);
+        if left == 0 || expected == 0 {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            anyhow::bail!("{left} rows still waiting after 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if expected == 0 {
+        // Idle: let it connect, take its partitions and poll a few times.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let peak = peak_rss_kib(pid).unwrap_or(0);
+    child.kill().await?;
+    ch.queue_purge(consumer_queue.into(), QueuePurgeOptions::default())
+        .await?;
+    Ok((secs, peak))
+}
+
+/// Peak RSS of the relay process per payload size, against the same process
+/// idle, all in one run.
+async fn memory() -> anyhow::Result<()> {
+    use rand::{Rng, SeedableRng};
+    let bin = relay_binary()?;
+    let exchange = outbox_tests::unique("benchmem");
+    let queue = outbox_tests::unique("benchmemq");
+    let conn =
+        Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_bind(
+        queue.as_str().into(),
+        exchange.as_str().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    // (label, payload sizes to draw from, messages)
+    let cases: [(&str, &[usize], usize); 4] = [
+        ("1 KiB", &[1024], 50_000),
+        ("100 KiB", &[100 * 1024], 2_000),
+        ("1 MiB", &[1024 * 1024], 300),
+        ("mix of the three", &[1024, 100 * 1024, 1024 * 1024], 1_500),
+    ];
+    let idle_db = TestDb::new().await;
+    let (_, idle) = drain_process(&bin, &idle_db, 0, &queue, &ch).await?;
+    idle_db.cleanup().await;
+    println!(
+        "{:<20} {:>9} {:>12} {:>14} {:>9}",
+        "payload", "messages", "drain s", "peak RSS MiB", "vs idle"
+    );
+    println!(
+        "{:<20} {:>9} {:>12} {:>14.1} {:>9}",
+        "(idle relay)",
+        0,
+        "-",
+        idle as f64 / 1024.0,
+        "1.00"
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for (label, sizes, messages) in cases {
+        let db = TestDb::new().await;
+        outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+        let outbox = db.outbox().max_payload_bytes(1024 * 1024);
+        let mut written = 0;
+        while written < messages {
+            let mut chunk = Vec::new();
+            let mut bytes = 0;
+            while written < messages && bytes < 16 * 1024 * 1024 {
+                let size = sizes[rng.random_range(0..sizes.len())];
+                chunk.push(
+                    Message::builder(exchange.as_str())
+                        .key(format!("key-{}", written % 1000))
+                        .payload(vec![b'x'; size])
+                        .build()?,
+                );
+                bytes += size;
+                written += 1;
+            }
+            outbox.enqueue_batch(&db.client, &chunk).await?;
+        }
+        let (secs, peak) = drain_process(&bin, &db, messages, &queue, &ch).await?;
+        println!(
+            "{:<20} {:>9} {:>12.1} {:>14.1} {:>9.2}",
+            label,
+            messages,
+            secs,
+            peak as f64 / 1024.0,
+            peak as f64 / idle.max(1) as f64
+        );
+        db.cleanup().await;
+    }
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+    ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await?;
+    let _ = conn.close(200, "bench done".into()).await;
+    Ok(())
 }
