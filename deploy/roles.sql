@@ -19,7 +19,9 @@ END $$;
 
 GRANT USAGE ON SCHEMA :"schema" TO outbox_app, outbox_relay;
 
--- The app: INSERT only. The insert trigger (NOTIFY) needs nothing more.
+-- The app: INSERT only, directly or through outbox.enqueue(...) (functions
+-- run with the caller's rights and are executable by everyone). The insert
+-- trigger (NOTIFY) and the message id's default need nothing more.
 GRANT INSERT ON :"schema".messages TO outbox_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".inbox, :"schema".sent_notifications,
     :"schema".checkpoints, :"schema".idempotency_keys TO outbox_app;
@@ -32,3 +34,6 @@ GRANT SELECT, INSERT ON :"schema".dead_letters TO outbox_relay;
 -- Retention mode moves published rows here and deletes them after a while.
 GRANT SELECT, INSERT, DELETE ON :"schema".published TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".replicas, :"schema".partition_owners TO outbox_relay;
+-- Every claim reads the paused destinations; `pause` and `resume`, run with
+-- this role, change them.
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".paused_destinations TO outbox_relay;

@@ -30,6 +30,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V6__claim_paths",
         include_str!("../../migrations/V6__claim_paths.sql"),
     ),
+    (
+        "V7__sql_enqueue_and_pause",
+        include_str!("../../migrations/V7__sql_enqueue_and_pause.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.

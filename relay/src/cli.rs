@@ -110,6 +110,28 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 }
             }
         }
+        Command::Pause {
+            db,
+            destination,
+            reason,
+        } => {
+            let client = db.database()?.connect_spawned().await?;
+            let fresh =
+                crate::ops::pause(&client, &db.schema, &destination, reason.as_deref()).await?;
+            println!(
+                "destination {destination:?} {}; its messages wait in the outbox until `resume`",
+                if fresh {
+                    "paused"
+                } else {
+                    "was already paused"
+                }
+            );
+        }
+        Command::Resume { db, destination } => {
+            let client = db.database()?.connect_spawned().await?;
+            let back = crate::ops::resume(&client, &db.schema, &destination).await?;
+            println!("destination {destination:?} resumed; {back} waiting messages released");
+        }
         Command::Notify { db, state } => {
             let client = db.database()?.connect_spawned().await?;
             outbox_client::set_notify(&client, db.schema.as_str(), state == Switch::On).await?;

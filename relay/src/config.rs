@@ -76,6 +76,27 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Hold back one destination for every replica: its rows wait in the
+    /// outbox (not claimed, no attempts counted) until `resume`. A key with a
+    /// message for it waits there too, so per-key order holds.
+    Pause {
+        /// Where the outbox lives.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The destination (AMQP exchange or Kafka topic).
+        destination: String,
+        /// Why, shown by `status`.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Let a paused destination flow again, at once on every replica.
+    Resume {
+        /// Where the outbox lives.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The destination.
+        destination: String,
+    },
     /// Switch the insert trigger's NOTIFY on or off (polling still finds rows).
     Notify {
         /// Database to change.

@@ -115,6 +115,29 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
         })
         .collect::<Vec<_>>();
 
+    let paused = client
+        .query(
+            &format!(
+                "SELECT p.destination, p.paused_at, p.reason, \
+                        (SELECT count(*) FROM {s}.messages m WHERE m.destination = p.destination) \
+                 FROM {s}.paused_destinations p ORDER BY p.paused_at"
+            ),
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| {
+            let since: SystemTime = r.get(1);
+            json!({
+                "destination": r.get::<_, String>(0),
+                "paused_at": humantime::format_rfc3339_seconds(since).to_string(),
+                "paused_for_s": age_secs(Some(since)),
+                "reason": r.get::<_, Option<String>>(2),
+                "waiting": r.get::<_, i64>(3),
+            })
+        })
+        .collect::<Vec<_>>();
+
     let keys = LockKeys::fetch(client, schema).await?;
     let replicas = client
         .query(
@@ -216,6 +239,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
         "dead_letters": dead,
         "published_retained": retained,
         "parked_keys": parked,
+        "paused": paused,
         "replicas": replicas,
         "partitions_owned": owned_total,
         "partitions_total": PARTITIONS,
@@ -275,6 +299,22 @@ pub fn status_text(v: &serde_json::Value) -> String {
                 p["key"].as_str().unwrap_or(""),
                 p["waiting"],
                 p["behind_dead_letter"].as_str().unwrap_or("")
+            ),
+        );
+    }
+    for p in v["paused"].as_array().cloned().unwrap_or_default() {
+        let _ = writeln_str(
+            &mut o,
+            &format!(
+                "paused destination {:?} since {} ({} ago): {} waiting{}",
+                p["destination"].as_str().unwrap_or(""),
+                p["paused_at"].as_str().unwrap_or("?"),
+                human_age(p["paused_for_s"].as_f64()),
+                p["waiting"],
+                p["reason"]
+                    .as_str()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
             ),
         );
     }
@@ -560,6 +600,63 @@ pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Res
             }
         })?;
     Ok(moved)
+}
+
+/// Pauses `destination` for every replica: its rows wait in the outbox, not
+/// claimed and not counted as attempts, until [`resume`]; a key with a
+/// message for it waits there too, so order per key holds. Batches already
+/// claimed finish; each replica's next claim honours the pause. Returns false
+/// when it was already paused (its reason is updated when one is given).
+pub async fn pause(
+    client: &Client,
+    schema: &SchemaName,
+    destination: &str,
+    reason: Option<&str>,
+) -> Result<bool, OpsError> {
+    let row = client
+        .query_one(
+            &format!(
+                "INSERT INTO {s}.paused_destinations AS p (destination, reason) VALUES ($1, $2) \
+                 ON CONFLICT (destination) DO UPDATE SET reason = coalesce(EXCLUDED.reason, p.reason) \
+                 RETURNING (xmax = 0)",
+                s = schema.quoted()
+            ),
+            &[&destination, &reason],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// Resumes a paused destination: its rows, and the rows of keys set aside
+/// behind them, are ready at once. Returns how many rows were brought back.
+pub async fn resume(
+    client: &Client,
+    schema: &SchemaName,
+    destination: &str,
+) -> Result<u64, OpsError> {
+    let s = schema.quoted();
+    let row = client
+        .query_one(
+            &format!(
+                "WITH gone AS (DELETE FROM {s}.paused_destinations WHERE destination = $1 RETURNING 1), \
+                 back AS ( \
+                    UPDATE {s}.messages SET next_attempt_at = '-infinity' \
+                    WHERE EXISTS (SELECT 1 FROM gone) AND next_attempt_at > now() \
+                      AND (destination = $1 OR (attempts = 0 AND ordering_key IN ( \
+                            SELECT ordering_key FROM {s}.messages \
+                            WHERE destination = $1 AND ordering_key IS NOT NULL))) \
+                    RETURNING 1) \
+                 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM back)"
+            ),
+            &[&destination],
+        )
+        .await?;
+    if row.get::<_, i64>(0) == 0 {
+        return Err(OpsError::Selection(format!(
+            "destination {destination:?} is not paused"
+        )));
+    }
+    Ok(u64::try_from(row.get::<_, i64>(1)).unwrap_or(0))
 }
 
 /// Deletes matching dead letters for good. Returns how many.

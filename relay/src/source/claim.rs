@@ -78,6 +78,7 @@ impl Queries {
         let t = format!("{}.messages", schema.quoted());
         let dl = format!("{}.dead_letters", schema.quoted());
         let pb = format!("{}.published", schema.quoted());
+        let pd = format!("{}.paused_destinations", schema.quoted());
         let parked_from = if park {
             format!("(SELECT min(d.seq) FROM {dl} d WHERE d.ordering_key = k.k)")
         } else {
@@ -94,43 +95,48 @@ impl Queries {
             // returned as its newest, locked version; read back through a
             // second scan of the table it would show the snapshot's version,
             // with a stale `attempts`, and a message would be retried once more
-            // than `max_attempts` allows. Only the payload, which never
-            // changes, is read back, and only for rows that go out.
+            // than `max_attempts` allows. A large payload stays TOASTed (a
+            // pointer) until it is sent, and only rows that go out send it.
             //
             // `kept` is the oldest prefix of the locked rows that fits the
             // batch's row and byte limits (one row always fits), so every row
             // left out is younger than every row kept. A kept row is blocked
-            // when an older row of its key is not kept (in flight elsewhere,
-            // waiting out a retry, set aside) or, when parking, an older
-            // message of its key is dead-lettered. A blocked row is returned
+            // when its destination is paused, when an older kept row of its
+            // key goes to a paused destination, when an older row of its key
+            // is not kept (in flight elsewhere, waiting out a retry, set
+            // aside) or, when parking, an older message of its key is
+            // dead-lettered. A blocked row is returned
             // without its payload, with the time to set it aside until when
             // its blocker is waiting (nothing when the blocker is merely in
             // flight in another batch).
             claim: format!(
                 "WITH fresh AS ( \
                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, created_at, attempts, octet_length(payload)::int8 AS size \
+                           content_type, created_at, attempts, payload, octet_length(payload) AS size \
                     FROM {t} \
                     WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, created_at, attempts, octet_length(payload)::int8 AS size \
+                           content_type, created_at, attempts, payload, octet_length(payload) AS size \
                     FROM {t} \
                     WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
                       AND partition = ANY($2::smallint[]) \
                     ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), cand AS ( \
-                    SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before \
+                    SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before, \
+                           c.destination IN (SELECT destination FROM {pd}) AS paused \
                     FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c \
                     WINDOW w AS (ORDER BY c.seq) \
                  ), kept AS ( \
                     SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $3) \
                  ), keys AS ( \
-                    SELECT ordering_key AS k, max(seq) AS top FROM kept \
+                    SELECT ordering_key AS k, max(seq) AS top, \
+                           min(seq) FILTER (WHERE paused) AS paused_from FROM kept \
                     WHERE ordering_key IS NOT NULL GROUP BY 1 \
                  ), gate AS ( \
-                    SELECT k.k, b.seq AS gap, b.next_attempt_at AS gap_until, {parked_from} AS parked_from \
+                    SELECT k.k, k.paused_from, b.seq AS gap, b.next_attempt_at AS gap_until, \
+                           {parked_from} AS parked_from \
                     FROM keys k LEFT JOIN LATERAL ( \
                         SELECT p.seq, p.next_attempt_at FROM {t} p \
                         WHERE p.ordering_key = k.k AND p.seq < k.top \
@@ -138,8 +144,9 @@ impl Queries {
                         ORDER BY p.seq LIMIT 1) b ON true \
                  ), verdict AS ( \
                     SELECT m.*, \
-                           coalesce(g.gap < m.seq, false) OR coalesce(g.parked_from < m.seq, false) AS blocked, \
-                           CASE WHEN g.parked_from < m.seq \
+                           m.paused OR coalesce(g.paused_from <= m.seq, false) \
+                             OR coalesce(g.gap < m.seq, false) OR coalesce(g.parked_from < m.seq, false) AS blocked, \
+                           CASE WHEN m.paused OR g.paused_from <= m.seq OR g.parked_from < m.seq \
                                   THEN greatest(now() + make_interval(secs => $4), g.gap_until) \
                                 WHEN g.gap < m.seq AND g.gap_until > now() THEN g.gap_until \
                            END AS hold_until \
@@ -147,8 +154,8 @@ impl Queries {
                  ) \
                  SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
                         v.content_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
-                        CASE WHEN v.blocked THEN NULL ELSE t.payload END AS payload \
-                 FROM verdict v JOIN {t} t ON t.seq = v.seq \
+                        CASE WHEN v.blocked THEN NULL ELSE v.payload END AS payload \
+                 FROM verdict v \
                  ORDER BY v.seq"
             ),
             hold: format!(
