@@ -171,16 +171,46 @@ async fn on_signal(shutdown: CancellationToken) {
     shutdown.cancel();
 }
 
+/// Dependencies whose logs stay off unless `OUTBOX_LOG` names them: lapin
+/// logs a returned message whole (payload included) at WARN and every
+/// missing-exchange check as an ERROR; refinery and tokio-postgres narrate
+/// each step. The relay reports what matters itself, one line per event.
+const QUIET_DEPENDENCIES: [(&str, &str); 5] = [
+    ("lapin", "off"),
+    ("amq_protocol", "off"),
+    ("refinery_core", "warn"),
+    ("tokio_postgres", "warn"),
+    ("rdkafka", "warn"),
+];
+
+/// The log filter: `OUTBOX_LOG` (default `info`), with the dependencies
+/// above kept quiet unless it names them.
+fn log_filter(spec: Option<&str>) -> EnvFilter {
+    let spec = spec.filter(|s| !s.trim().is_empty()).unwrap_or("info");
+    let mut directives = vec![spec.to_owned()];
+    for (target, level) in QUIET_DEPENDENCIES {
+        if !spec.contains(target) {
+            directives.push(format!("{target}={level}"));
+        }
+    }
+    EnvFilter::try_new(directives.join(",")).unwrap_or_else(|_| EnvFilter::new("info"))
+}
+
 fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_env("OUTBOX_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    let filter = log_filter(std::env::var("OUTBOX_LOG").ok().as_deref());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        // Colour only for a person at a terminal, never into a file or pipe.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        // The event's message and fields at the top level of each object.
+        LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }
+
 
 async fn connect(db: &DbArgs) -> anyhow::Result<tokio_postgres::Client> {
     Ok(db.database()?.connect_spawned().await?)
@@ -191,5 +221,23 @@ fn print_out(v: &serde_json::Value, json: bool, text: impl Fn(&serde_json::Value
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     } else {
         print!("{}", text(v));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_filter;
+
+    #[test]
+    fn dependencies_stay_quiet_unless_named() {
+        let f = log_filter(Some("debug")).to_string();
+        assert!(f.contains("lapin=off") && f.contains("debug"), "{f}");
+        let f = log_filter(Some("info,lapin=debug")).to_string();
+        assert!(f.contains("lapin=debug") && !f.contains("lapin=off"), "{f}");
+        let f = log_filter(None).to_string();
+        assert!(
+            f.contains("info") && f.contains("refinery_core=warn"),
+            "{f}"
+        );
     }
 }

@@ -212,7 +212,7 @@ fn parse_http_addr(s: &str) -> Result<HttpAddr, String> {
     }
     s.parse()
         .map(|a| HttpAddr(Some(a)))
-        .map_err(|e| format!("{e} (use host:port, e.g. 0.0.0.0:9187, or off)"))
+        .map_err(|e| format!("{e} (use host:port, e.g. 0.0.0.0:9839, or off)"))
 }
 
 fn parse_schema(s: &str) -> Result<SchemaName, String> {
@@ -481,7 +481,7 @@ pub struct RunArgs {
           value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub retention_cleanup_batch: i64,
     /// Address for /metrics (Prometheus), /healthz and /readyz; "off" disables.
-    #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9187", value_parser = parse_http_addr)]
+    #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9839", value_parser = parse_http_addr)]
     pub http_addr: HttpAddr,
     /// What later messages of a dead-lettered message's key do: `park` (wait
     /// behind it, keeping order, until it is retried or discarded) or `skip`

@@ -130,14 +130,15 @@ impl Stats {
         }
     }
 
-    /// Why this replica is not ready, or None when it is: Postgres and the broker
-    /// reachable, and the ownership session up.
+    /// Why this replica is not ready, or None when it is: Postgres reachable
+    /// and the ownership session up. The broker is deliberately not part of
+    /// it: a relay whose broker is down is doing its job (the rows wait in
+    /// Postgres), and as a sidecar its readiness is the app pod's, so a
+    /// broker outage must not take the app out of service. Broker
+    /// reachability is `outbox_connection_up{target="broker"}`, with an alert.
     pub fn not_ready_reason(&self) -> Option<String> {
         if !self.postgres_up.load(Ordering::Relaxed) {
             return Some("postgres unreachable".into());
-        }
-        if let Some((_, e)) = self.broker_down() {
-            return Some(format!("broker unreachable: {e}"));
         }
         if !self.owner_up.load(Ordering::Relaxed) {
             return Some("not yet part of the replica set".into());
