@@ -211,7 +211,6 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-
 async fn connect(db: &DbArgs) -> anyhow::Result<tokio_postgres::Client> {
     Ok(db.database()?.connect_spawned().await?)
 }
