@@ -67,6 +67,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let mut client = connect(&db).await?;
             let v = ops::locate(&mut client, &db.schema, id).await?;
             print_out(&v, json, ops::locate_text);
+            // Scripts can tell "not here" from a message somewhere by the
+            // exit code: 1, after the report.
+            if v["state"] == "unknown" {
+                anyhow::bail!("message {id} is in neither the outbox, the dead letters nor the retained published rows");
+            }
         }
         Command::DeadLetters { db, action } => {
             let client = connect(&db).await?;
@@ -115,7 +120,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             destination,
             reason,
         } => {
-            let client = db.database()?.connect_spawned().await?;
+            let client = connect(&db).await?;
             let fresh =
                 crate::ops::pause(&client, &db.schema, &destination, reason.as_deref()).await?;
             println!(
@@ -128,7 +133,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             );
         }
         Command::Resume { db, destination } => {
-            let client = db.database()?.connect_spawned().await?;
+            let client = connect(&db).await?;
             let back = crate::ops::resume(&client, &db.schema, &destination).await?;
             println!("destination {destination:?} resumed; {back} waiting messages released");
         }
@@ -211,8 +216,24 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// A connection for an inspection or operator command, refusing an outbox
+/// that was never migrated with the command that fixes it.
 async fn connect(db: &DbArgs) -> anyhow::Result<tokio_postgres::Client> {
-    Ok(db.database()?.connect_spawned().await?)
+    let pg = |e: tokio_postgres::Error| anyhow::anyhow!("postgres: {}", crate::source::PgError(&e));
+    let client = db.database()?.connect_spawned().await.map_err(pg)?;
+    let table = format!("{}.messages", db.schema.quoted());
+    let migrated: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .await
+        .map_err(pg)?
+        .get(0);
+    if !migrated {
+        anyhow::bail!(
+            "outbox schema {:?} is not migrated; run `outbox-relay migrate` first",
+            db.schema.as_str()
+        );
+    }
+    Ok(client)
 }
 
 fn print_out(v: &serde_json::Value, json: bool, text: impl Fn(&serde_json::Value) -> String) {

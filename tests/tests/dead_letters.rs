@@ -283,6 +283,37 @@ async fn cli_lists_shows_discards_and_rejects_bad_arguments() {
     assert_eq!(code, 0);
     assert!(out.contains("dead-lettered"), "{out}");
 
+    // A message that is nowhere: reported, and exit code 1 for scripts.
+    let nowhere = uuid::Uuid::now_v7().to_string();
+    let (code, out, err) = cli(&db, &["locate", &nowhere]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("unknown") && err.contains(&nowhere),
+        "{out}{err}"
+    );
+    // A schema never migrated: say which command fixes it.
+    let never = outbox_tests::unique("never");
+    for args in [
+        &["status"][..],
+        &["dead-letters", "list"][..],
+        &["pause", "x"][..],
+    ] {
+        let out = Command::new(RELAY_BIN)
+            .args(args)
+            .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+            .env("OUTBOX_SCHEMA", &never)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .expect("run cli");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("is not migrated; run `outbox-relay migrate` first"),
+            "{args:?}: {err}"
+        );
+    }
+
     // Bad arguments: exit code 2 with a clear message.
     let (code, _, err) = cli(&db, &["dead-letters", "discard", "--yes"]).await;
     assert_eq!(code, 2, "{err}");
