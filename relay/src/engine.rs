@@ -333,9 +333,10 @@ impl<P: Publisher> Relay<P> {
     fn payload_budget_kib(&self) -> u32 {
         let workers = self.settings.pipeline.max(1) as i64 + 1;
         let kib = self.settings.batch_max_bytes.max(1).saturating_mul(workers) / 1024;
-        u32::try_from(kib.max(1))
+        // tokio's semaphore holds at most usize::MAX >> 3 permits.
+        u32::try_from(kib)
             .unwrap_or(u32::MAX >> 4)
-            .min(u32::MAX >> 4)
+            .clamp(1, u32::MAX >> 4)
     }
 
     /// Waits for Postgres to answer, then fails fast if the outbox is missing.

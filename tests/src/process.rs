@@ -170,3 +170,21 @@ pub async fn tansu_behind_proxy() -> (Tansu, crate::proxy::Proxy, String) {
     );
     (tansu, proxy, format!("127.0.0.1:{proxy_port}"))
 }
+
+/// Runs the relay binary `bin` once with `args` against `schema` on the test
+/// database (no standard input) and returns (exit code, stdout, stderr).
+pub async fn cli(bin: &str, schema: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(bin)
+        .args(args)
+        .env("OUTBOX_DATABASE_URL", crate::pg_url())
+        .env("OUTBOX_SCHEMA", schema)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("run the relay cli");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

@@ -23,19 +23,8 @@ fn settings(park: bool) -> outbox_relay::Settings {
 
 /// Runs the relay CLI against `db` and returns (exit code, stdout, stderr).
 async fn cli(db: &TestDb, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(RELAY_BIN)
-        .args(args)
-        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
-        .env("OUTBOX_SCHEMA", db.schema.as_str())
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .expect("run cli");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (code, out, err) = outbox_tests::process::cli(RELAY_BIN, db.schema.as_str(), args).await;
+    (code.unwrap_or(-1), out, err)
 }
 
 async fn dead_count(db: &TestDb) -> i64 {

@@ -15,19 +15,7 @@ use rand::{Rng, SeedableRng};
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
 
 async fn cli(db: &TestDb, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = tokio::process::Command::new(RELAY_BIN)
-        .args(args)
-        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
-        .env("OUTBOX_SCHEMA", db.schema.as_str())
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .expect("run cli");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    outbox_tests::process::cli(RELAY_BIN, db.schema.as_str(), args).await
 }
 
 /// `key/n` payloads, n counting up per key in commit order.

@@ -534,46 +534,63 @@ async fn a_message_refused_before_sending_holds_back_its_key() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
-    let outbox = db.outbox();
-    let mut msgs = Vec::new();
-    for i in 0..20 {
-        let mut b = Message::builder(rabbit.exchange.as_str())
-            .key("k")
-            .payload(format!("{i}").into_bytes());
-        if i == 5 {
-            b = b.content_type(format!("text/{}", "x".repeat(300)));
-        }
-        msgs.push(b.build().expect("valid"));
-    }
-    outbox
-        .enqueue_batch(&db.client, &msgs)
+    let messages = (0..20)
+        .map(|i| {
+            let mut b = Message::builder(rabbit.exchange.as_str())
+                .key("k")
+                .payload(format!("{i}").into_bytes());
+            if i == 5 {
+                b = b.content_type(format!("text/{}", "x".repeat(300)));
+            }
+            b.build().expect("valid")
+        })
+        .collect();
+    let relay = only_messages_before_the_refused_one_go_out(
+        &db,
+        messages,
+        |settings| InProcessRelay::amqp(&db, settings),
+        || rabbit.deliveries().into_iter().map(|d| d.payload).collect(),
+    )
+    .await;
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// Enqueues `messages` (one key, payloads "0".."19", the sixth refused by
+/// the client library before sending), starts the relay with parking on,
+/// and checks that the refused one is dead-lettered and that only the five
+/// before it arrive. Returns the relay to stop.
+async fn only_messages_before_the_refused_one_go_out(
+    db: &TestDb,
+    messages: Vec<Message>,
+    start: impl FnOnce(outbox_relay::Settings) -> InProcessRelay,
+    delivered: impl Fn() -> Vec<Vec<u8>>,
+) -> InProcessRelay {
+    db.outbox()
+        .max_payload_bytes(4 * 1024 * 1024)
+        .enqueue_batch(&db.client, &messages)
         .await
         .expect("enqueue");
-    let relay = InProcessRelay::amqp(
-        &db,
-        outbox_relay::Settings {
-            park_on_dead_letter: true,
-            ..fast_settings()
-        },
-    );
+    let relay = start(outbox_relay::Settings {
+        park_on_dead_letter: true,
+        ..fast_settings()
+    });
     assert!(
-        eventually(PATIENCE, || async { count(&db, "dead_letters").await == 1 }).await,
-        "the oversized content type was not dead-lettered"
+        eventually(PATIENCE, || async { count(db, "dead_letters").await == 1 }).await,
+        "the refused message was not dead-lettered"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let got: Vec<String> = rabbit
-        .deliveries()
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let got: Vec<String> = delivered()
         .iter()
-        .map(|d| String::from_utf8_lossy(&d.payload).into_owned())
+        .map(|p| String::from_utf8_lossy(p).into_owned())
         .collect();
     assert_eq!(
         got,
         (0..5).map(|i| i.to_string()).collect::<Vec<_>>(),
         "only the messages before the refused one may go out"
     );
-    relay.stop().await;
-    rabbit.cleanup().await;
-    db.cleanup().await;
+    relay
 }
 
 /// Returns how many times each payload arrived.
@@ -648,8 +665,7 @@ async fn kafka_a_record_refused_before_sending_holds_back_its_key() {
     let brokers = outbox_tests::kafka_brokers();
     let kafka = outbox_tests::kafka::Fixture::new(&brokers, 1).await;
     let db = TestDb::new().await;
-    let outbox = db.outbox().max_payload_bytes(4 * 1024 * 1024);
-    let msgs: Vec<Message> = (0..20)
+    let messages = (0..20)
         .map(|i| {
             let payload = if i == 5 {
                 vec![b'z'; 2 * 1024 * 1024]
@@ -663,34 +679,13 @@ async fn kafka_a_record_refused_before_sending_holds_back_its_key() {
                 .expect("valid")
         })
         .collect();
-    outbox
-        .enqueue_batch(&db.client, &msgs)
-        .await
-        .expect("enqueue");
-    let relay = InProcessRelay::kafka(
+    let relay = only_messages_before_the_refused_one_go_out(
         &db,
-        &brokers,
-        &[],
-        outbox_relay::Settings {
-            park_on_dead_letter: true,
-            ..fast_settings()
-        },
-    );
-    assert!(
-        eventually(PATIENCE, || async { count(&db, "dead_letters").await == 1 }).await,
-        "the oversized record was not dead-lettered"
-    );
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let got: Vec<String> = kafka
-        .records()
-        .iter()
-        .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
-        .collect();
-    assert_eq!(
-        got,
-        (0..5).map(|i| i.to_string()).collect::<Vec<_>>(),
-        "only the records before the refused one may go out"
-    );
+        messages,
+        |settings| InProcessRelay::kafka(&db, &brokers, &[], settings),
+        || kafka.records().into_iter().map(|r| r.payload).collect(),
+    )
+    .await;
     relay.stop().await;
     kafka.stop().await;
     db.cleanup().await;
