@@ -76,9 +76,9 @@ stop_tansu() {
 
 # The suites' independent consumers in another language (tests/consumers/).
 ensure_python_consumers() {
-  if ! python3 -c 'import pika, confluent_kafka, psycopg' 2>/dev/null; then
-    echo "installing python consumers' and producers' libraries (pika, confluent-kafka, psycopg)"
-    python3 -m pip install --quiet --disable-pip-version-check pika confluent-kafka 'psycopg[binary]'
+  if ! python3 -c 'import pika, confluent_kafka, psycopg, cloudevents.core.bindings.rabbitmq' 2>/dev/null; then
+    echo "installing python consumers' and producers' libraries (pika, confluent-kafka, psycopg, cloudevents)"
+    python3 -m pip install --quiet --disable-pip-version-check pika confluent-kafka 'psycopg[binary]' 'cloudevents>=2.2' python-dateutil
   fi
 }
 

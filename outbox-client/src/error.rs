@@ -38,23 +38,24 @@ pub enum Error {
         /// The name as given.
         name: String,
     },
-    /// The outbox schema or table does not exist: the migrations have not run.
-    #[error("outbox schema {schema:?} is missing its tables; run the migrations first")]
+    /// The outbox schema, a table or a column does not exist: the migrations
+    /// have not run, or not the latest ones.
+    #[error("outbox schema {schema:?} is missing its tables or columns; run the migrations first")]
     SchemaMissing {
         /// The schema that was looked up.
         schema: String,
-        /// The database's own error.
+        /// The driver's own error (`tokio_postgres::Error` or `sqlx::Error`).
         #[source]
-        source: tokio_postgres::Error,
+        source: BoxError,
     },
     /// A caller-chosen message id is already in the outbox.
     #[error("message id {message_id} is already in the outbox")]
     DuplicateMessageId {
         /// The id that collided (the first one, for a batch).
         message_id: MessageIdOrBatch,
-        /// The database's own error.
+        /// The driver's own error (`tokio_postgres::Error` or `sqlx::Error`).
         #[source]
-        source: tokio_postgres::Error,
+        source: BoxError,
     },
     /// A key that identifies a delivery, notification, job or consumer is empty:
     /// an empty key would make unrelated work look like a duplicate.
@@ -82,26 +83,38 @@ pub enum Error {
     /// A database error not covered by the variants above.
     #[error("database error")]
     Database(#[from] tokio_postgres::Error),
+    /// A database error through sqlx not covered by the variants above.
+    #[cfg(feature = "sqlx")]
+    #[error("database error")]
+    Sqlx(#[from] ::sqlx::Error),
     /// Applying the migrations failed.
     #[error("migration failed")]
     Migration(#[source] refinery::Error),
 }
 
+/// A driver's error behind [`Error::SchemaMissing`] and
+/// [`Error::DuplicateMessageId`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 impl Error {
     /// Maps a database error from a statement on `schema`'s tables.
     pub(crate) fn from_db(schema: &SchemaName, e: tokio_postgres::Error) -> Error {
-        match e.code() {
-            Some(c) if *c == SqlState::UNDEFINED_TABLE || *c == SqlState::INVALID_SCHEMA_NAME => {
-                Error::SchemaMissing {
-                    schema: schema.to_string(),
-                    source: e,
-                }
-            }
-            Some(c) if *c == SqlState::UNIQUE_VIOLATION => Error::DuplicateMessageId {
-                message_id: MessageIdOrBatch::Batch,
-                source: e,
-            },
-            _ => Error::Database(e),
+        match Cause::of(e.code().map(SqlState::code)) {
+            Some(cause) => cause.error(schema, e.into()),
+            None => Error::Database(e),
+        }
+    }
+
+    /// [`Error::from_db`] for sqlx: the same variants for the same SQLSTATEs.
+    #[cfg(feature = "sqlx")]
+    pub(crate) fn from_sqlx(schema: &SchemaName, e: ::sqlx::Error) -> Error {
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .map(|c| c.into_owned());
+        match Cause::of(code.as_deref()) {
+            Some(cause) => cause.error(schema, e.into()),
+            None => Error::Sqlx(e),
         }
     }
 
@@ -112,7 +125,7 @@ impl Error {
             Some(c) if *c == SqlState::UNDEFINED_TABLE || *c == SqlState::INVALID_SCHEMA_NAME => {
                 Error::SchemaMissing {
                     schema: schema.to_string(),
-                    source: e,
+                    source: e.into(),
                 }
             }
             _ => Error::Database(e),
@@ -136,7 +149,47 @@ impl Error {
     pub fn is_closed(&self) -> bool {
         match self {
             Error::Database(e) => e.is_closed(),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx(e) => matches!(
+                e,
+                ::sqlx::Error::Io(_) | ::sqlx::Error::PoolClosed | ::sqlx::Error::WorkerCrashed
+            ),
             _ => false,
+        }
+    }
+}
+
+/// A database error with a variant of its own, whichever driver reported it.
+enum Cause {
+    SchemaMissing,
+    DuplicateMessageId,
+}
+
+impl Cause {
+    fn of(sqlstate: Option<&str>) -> Option<Cause> {
+        let missing = [
+            SqlState::UNDEFINED_TABLE.code(),
+            SqlState::INVALID_SCHEMA_NAME.code(),
+            // A column a later migration adds (event_type).
+            SqlState::UNDEFINED_COLUMN.code(),
+        ];
+        match sqlstate {
+            Some(c) if missing.contains(&c) => Some(Cause::SchemaMissing),
+            Some(c) if c == SqlState::UNIQUE_VIOLATION.code() => Some(Cause::DuplicateMessageId),
+            _ => None,
+        }
+    }
+
+    fn error(self, schema: &SchemaName, source: BoxError) -> Error {
+        match self {
+            Cause::SchemaMissing => Error::SchemaMissing {
+                schema: schema.to_string(),
+                source,
+            },
+            Cause::DuplicateMessageId => Error::DuplicateMessageId {
+                message_id: MessageIdOrBatch::Batch,
+                source,
+            },
         }
     }
 }

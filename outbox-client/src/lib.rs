@@ -44,6 +44,8 @@
 //!   in the same transaction as the request's effect and its outbox messages.
 //! - `axum`: the `idempotency::axum` extractor and response helper (implies
 //!   `idempotency`).
+//! - `sqlx`: [`sqlx`](crate::sqlx), `enqueue` and `enqueue_batch` in an sqlx
+//!   transaction or connection, with the same messages, checks and rows.
 //! - `opentelemetry`: [`trace`], the enqueueing span's W3C `traceparent` and
 //!   `tracestate` stored in each message's headers, so consumers continue the
 //!   trace.
@@ -67,14 +69,19 @@ pub mod inbox;
 pub mod job_lock;
 mod message;
 mod migrate;
+mod rows;
 mod schema;
 pub mod send_once;
 pub mod session;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 pub mod trace;
 
 use tokio_postgres::GenericClient;
 
-pub use error::{Error, MessageIdOrBatch};
+use rows::Rows;
+
+pub use error::{BoxError, Error, MessageIdOrBatch};
 pub use message::{Message, MessageBuilder, MessageId, RESERVED_HEADERS};
 pub use migrate::{migrate, set_notify};
 pub use schema::SchemaName;
@@ -95,6 +102,7 @@ pub struct Outbox {
     schema: SchemaName,
     max_payload_bytes: usize,
     insert_sql: String,
+    insert_typed_sql: String,
 }
 
 impl Default for Outbox {
@@ -111,19 +119,11 @@ impl Outbox {
 
     /// An outbox in an already validated schema.
     pub fn with_schema(schema: SchemaName) -> Self {
-        // One statement for one message or ten thousand: unnest keeps the array
-        // order, so seq follows the order of the slice.
-        let insert_sql = format!(
-            "INSERT INTO {}.messages \
-               (message_id, destination, ordering_key, routing_key, headers, payload, content_type) \
-             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], \
-                                  $6::bytea[], $7::text[])",
-            schema.quoted()
-        );
         Outbox {
+            insert_sql: rows::insert_sql(&schema, false),
+            insert_typed_sql: rows::insert_sql(&schema, true),
             schema,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
-            insert_sql,
         }
     }
 
@@ -151,13 +151,7 @@ impl Outbox {
         let id = message.message_id.unwrap_or_else(MessageId::new_v7);
         self.write(client, std::slice::from_ref(message), &[id])
             .await
-            .map_err(|e| match e {
-                Error::DuplicateMessageId { source, .. } => Error::DuplicateMessageId {
-                    message_id: MessageIdOrBatch::Message(id),
-                    source,
-                },
-                other => other,
-            })?;
+            .map_err(|e| rows::name_duplicate(e, id))?;
         Ok(id)
     }
 
@@ -169,10 +163,7 @@ impl Outbox {
         client: &impl GenericClient,
         messages: &[Message],
     ) -> Result<Vec<MessageId>, Error> {
-        let ids: Vec<MessageId> = messages
-            .iter()
-            .map(|m| m.message_id.unwrap_or_else(MessageId::new_v7))
-            .collect();
+        let ids = rows::ids(messages);
         self.write(client, messages, &ids).await?;
         Ok(ids)
     }
@@ -186,59 +177,25 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(());
         }
-        for m in messages {
-            if m.payload.len() > self.max_payload_bytes {
-                return Err(Error::PayloadTooLarge {
-                    size: m.payload.len(),
-                    limit: self.max_payload_bytes,
-                });
+        let rows = Rows::new(messages, ids, self.max_payload_bytes)?;
+        let columns: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+            &rows.ids,
+            &rows.destinations,
+            &rows.keys,
+            &rows.routing_keys,
+            &rows.headers,
+            &rows.payloads,
+            &rows.content_types,
+        ];
+        let result = match &rows.event_types {
+            None => client.execute(self.insert_sql.as_str(), &columns).await,
+            Some(types) => {
+                let mut typed = columns.to_vec();
+                typed.push(types);
+                client.execute(self.insert_typed_sql.as_str(), &typed).await
             }
-        }
-        let uuids: Vec<uuid::Uuid> = ids.iter().map(|id| id.0).collect();
-        let destinations: Vec<&str> = messages.iter().map(|m| m.destination.as_str()).collect();
-        let keys: Vec<Option<&str>> = messages.iter().map(|m| m.key.as_deref()).collect();
-        let routing_keys: Vec<&str> = messages.iter().map(|m| m.routing_key.as_str()).collect();
-        let trace = trace::current();
-        let headers: Vec<serde_json::Value> = messages
-            .iter()
-            .map(|m| {
-                let mut map: serde_json::Map<String, serde_json::Value> = m
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
-                    .collect();
-                // The message's own trace headers, if it set any, win.
-                if let Some(t) = trace
-                    .as_ref()
-                    .filter(|_| !map.contains_key(trace::TRACEPARENT))
-                {
-                    map.insert(trace::TRACEPARENT.into(), t.traceparent.clone().into());
-                    if let Some(state) = &t.tracestate {
-                        map.insert(trace::TRACESTATE.into(), state.clone().into());
-                    }
-                }
-                serde_json::Value::Object(map)
-            })
-            .collect();
-        let payloads: Vec<&[u8]> = messages.iter().map(|m| m.payload.as_slice()).collect();
-        let content_types: Vec<Option<&str>> =
-            messages.iter().map(|m| m.content_type.as_deref()).collect();
-
-        client
-            .execute(
-                self.insert_sql.as_str(),
-                &[
-                    &uuids,
-                    &destinations,
-                    &keys,
-                    &routing_keys,
-                    &headers,
-                    &payloads,
-                    &content_types,
-                ],
-            )
-            .await
-            .map_err(|e| Error::from_db(&self.schema, e))?;
+        };
+        result.map_err(|e| Error::from_db(&self.schema, e))?;
         Ok(())
     }
 }

@@ -51,6 +51,7 @@ pub struct Message {
     pub(crate) headers: BTreeMap<String, String>,
     pub(crate) payload: Vec<u8>,
     pub(crate) content_type: Option<String>,
+    pub(crate) event_type: Option<String>,
 }
 
 impl Message {
@@ -65,6 +66,7 @@ impl Message {
                 headers: BTreeMap::new(),
                 payload: Vec::new(),
                 content_type: None,
+                event_type: None,
             },
             error: None,
         }
@@ -93,6 +95,17 @@ impl Message {
     /// The headers.
     pub fn headers(&self) -> &BTreeMap<String, String> {
         &self.headers
+    }
+
+    /// The MIME content type (`application/octet-stream` unless set, or
+    /// `application/json` for a [`MessageBuilder::json`] payload).
+    pub fn content_type(&self) -> Option<&str> {
+        self.content_type.as_deref()
+    }
+
+    /// The event type, if the message carries one.
+    pub fn event_type(&self) -> Option<&str> {
+        self.event_type.as_deref()
     }
 }
 
@@ -161,6 +174,14 @@ impl MessageBuilder {
         self
     }
 
+    /// What kind of event this is, e.g. `com.example.order.paid`: stored in
+    /// the row's `event_type` column, and the CloudEvents `type` when the
+    /// relay publishes CloudEvents (`--cloudevents`). Must not be empty.
+    pub fn event_type(mut self, event_type: impl Into<String>) -> Self {
+        self.message.event_type = Some(event_type.into());
+        self
+    }
+
     /// Uses a caller-chosen message id instead of a fresh UUIDv7, e.g. to make the
     /// enqueue itself idempotent.
     pub fn message_id(mut self, id: impl Into<MessageId>) -> Self {
@@ -175,6 +196,9 @@ impl MessageBuilder {
         }
         if self.message.destination.is_empty() {
             return Err(Error::EmptyDestination);
+        }
+        if self.message.event_type.as_deref() == Some("") {
+            return Err(Error::EmptyKey { what: "event type" });
         }
         let mut message = self.message;
         if message.content_type.is_none() {
@@ -232,6 +256,19 @@ mod tests {
                 other => panic!("{bad:?} gave {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn an_empty_event_type_is_rejected_and_a_set_one_kept() {
+        assert!(matches!(
+            Message::builder("d").event_type("").build(),
+            Err(Error::EmptyKey { what: "event type" })
+        ));
+        let m = Message::builder("d")
+            .event_type("order.paid")
+            .build()
+            .expect("valid");
+        assert_eq!(m.event_type(), Some("order.paid"));
     }
 
     #[test]

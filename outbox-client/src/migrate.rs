@@ -34,6 +34,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V7__sql_enqueue_and_pause",
         include_str!("../../migrations/V7__sql_enqueue_and_pause.sql"),
     ),
+    (
+        "V8__event_type",
+        include_str!("../../migrations/V8__event_type.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.

@@ -488,6 +488,17 @@ pub struct RunArgs {
     /// (go ahead without it).
     #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
     pub dead_letter_order: DeadLetterOrder,
+    /// Publish every message as a CloudEvent 1.0 in binary content mode: the
+    /// payload as the body, `id`, `source`, `specversion`, `type` (the
+    /// message's event type, else its destination) and `time` (its creation)
+    /// as `ce_` headers on Kafka and `ce-` headers on RabbitMQ. Needs
+    /// --cloudevents-source.
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS", requires = "cloudevents_source")]
+    pub cloudevents: bool,
+    /// The CloudEvents `source` of every event: a URI reference naming the
+    /// producing service, e.g. `/orders-service`.
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
 }
 
 /// What happens to a key's later messages when one is dead-lettered.
@@ -533,6 +544,8 @@ pub struct Config {
     pub settings: Settings,
     /// Where to serve metrics and health, if anywhere.
     pub http_addr: Option<std::net::SocketAddr>,
+    /// CloudEvents binary mode, if on.
+    pub cloudevents: Option<crate::publish::cloudevents::CloudEvents>,
 }
 
 /// A broker with its connection settings.
@@ -593,7 +606,19 @@ impl RunArgs {
                 message_timeout: self.confirm_timeout,
             }),
         };
+        let cloudevents = match (self.cloudevents, &self.cloudevents_source) {
+            (true, Some(source)) => Some(
+                crate::publish::cloudevents::CloudEvents::new(source.as_str()).map_err(
+                    |reason| ConfigError {
+                        flag: "--cloudevents-source",
+                        reason,
+                    },
+                )?,
+            ),
+            _ => None,
+        };
         Ok(Config {
+            cloudevents,
             http_addr: self.http_addr.0,
             pg: self.db.database()?,
             schema: self.db.schema.clone(),

@@ -849,6 +849,7 @@ mod tests {
             headers: vec![],
             payload: vec![],
             content_type: None,
+            event_type: None,
             created_at: SystemTime::now(),
             attempts: 0,
         }

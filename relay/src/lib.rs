@@ -69,15 +69,21 @@ impl From<tokio_postgres::Error> for Error {
 pub async fn run(config: config::Config, shutdown: CancellationToken) -> Result<(), Error> {
     match config.broker.clone() {
         config::Broker::Amqp(amqp) => {
-            let publisher = publish::amqp::AmqpPublisher::new(amqp);
+            let mut publisher = publish::amqp::AmqpPublisher::new(amqp);
+            if let Some(ce) = config.cloudevents.clone() {
+                publisher = publisher.with_cloudevents(ce);
+            }
             serve_relay(config, publisher, shutdown).await
         }
         config::Broker::Kafka(kafka) => {
-            let publisher =
+            let mut publisher =
                 publish::kafka::KafkaPublisher::new(kafka).map_err(|e| config::ConfigError {
                     flag: "--kafka-config",
                     reason: e.to_string(),
                 })?;
+            if let Some(ce) = config.cloudevents.clone() {
+                publisher = publisher.with_cloudevents(ce);
+            }
             serve_relay(config, publisher, shutdown).await
         }
     }

@@ -582,10 +582,10 @@ pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Res
                 "WITH moved AS (DELETE FROM {s}.dead_letters WHERE {wher} RETURNING *), \
                  {unhold} \
                  INSERT INTO {s}.messages (seq, message_id, destination, ordering_key, routing_key, \
-                                           headers, payload, content_type, created_at, last_error) \
+                                           headers, payload, content_type, event_type, created_at, last_error) \
                  OVERRIDING SYSTEM VALUE \
                  SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
-                        content_type, created_at, 'retried from dead letters: ' || last_error \
+                        content_type, event_type, created_at, 'retried from dead letters: ' || last_error \
                  FROM moved ORDER BY seq",
                 unhold = unhold_keys_of(&s, "moved"),
             ),

@@ -31,7 +31,8 @@ def main():
                 (mid,) = conn.execute(
                     sql.SQL(
                         "SELECT {}.enqueue(%s, %s, key => %s, routing_key => 'orders.paid', "
-                        "headers => %s::jsonb, content_type => 'application/json')"
+                        "headers => %s::jsonb, content_type => 'application/json', "
+                        "event_type => 'com.example.order.paid')"
                     ).format(s),
                     (exchange, payload, f"order-{i % 4}", json.dumps({"tenant": "acme"})),
                 ).fetchone()
@@ -57,26 +58,27 @@ def main():
             pass
 
         bad = [
-            ("empty destination", ("", b"x", None, None)),
-            ("null destination", (None, b"x", None, None)),
-            ("null payload", (exchange, None, None, None)),
-            ("empty header name", (exchange, b"x", {"": "v"}, None)),
-            ("header name with a space", (exchange, b"x", {"has space": "v"}, None)),
-            ("header name over 255 bytes", (exchange, b"x", {"h" * 256: "v"}, None)),
-            ("reserved header", (exchange, b"x", {"Message-Id": "v"}, None)),
-            ("non-string header value", (exchange, b"x", {"n": 1}, None)),
-            ("headers not an object", (exchange, b"x", ["a"], None)),
-            ("payload over the limit", (exchange, b"x" * 2000, None, 1000)),
+            ("empty destination", ("", b"x", None, None, None)),
+            ("null destination", (None, b"x", None, None, None)),
+            ("null payload", (exchange, None, None, None, None)),
+            ("empty header name", (exchange, b"x", {"": "v"}, None, None)),
+            ("header name with a space", (exchange, b"x", {"has space": "v"}, None, None)),
+            ("header name over 255 bytes", (exchange, b"x", {"h" * 256: "v"}, None, None)),
+            ("reserved header", (exchange, b"x", {"Message-Id": "v"}, None, None)),
+            ("non-string header value", (exchange, b"x", {"n": 1}, None, None)),
+            ("headers not an object", (exchange, b"x", ["a"], None, None)),
+            ("payload over the limit", (exchange, b"x" * 2000, None, 1000, None)),
+            ("empty event type", (exchange, b"x", None, None, "")),
         ]
-        for name, (dest, payload, headers, limit) in bad:
+        for name, (dest, payload, headers, limit, event_type) in bad:
             try:
                 with conn.transaction():
                     conn.execute(
                         sql.SQL(
                             "SELECT {}.enqueue(%s, %s, headers => coalesce(%s::jsonb, '{{}}'::jsonb), "
-                            "max_payload_bytes => coalesce(%s, 983040))"
+                            "max_payload_bytes => coalesce(%s, 983040), event_type => %s)"
                         ).format(s),
-                        (dest, payload, None if headers is None else json.dumps(headers), limit),
+                        (dest, payload, None if headers is None else json.dumps(headers), limit, event_type),
                     )
                 print(json.dumps({"refused": name, "sqlstate": None, "message": "accepted"}), flush=True)
             except psycopg.Error as e:

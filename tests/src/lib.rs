@@ -12,6 +12,7 @@ pub mod kafka;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
+pub mod python;
 pub mod sink;
 pub mod tls;
 pub mod workload;
@@ -39,6 +40,18 @@ pub fn unique(prefix: &str) -> String {
         "{prefix}_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     )
+}
+
+/// The seed for a test's random mix: `OUTBOX_TEST_SEED` to replay one, else
+/// a fresh one. Printed, so a failure's output says how to replay it.
+pub fn seed() -> u64 {
+    use rand::Rng;
+    let seed = std::env::var("OUTBOX_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("OUTBOX_TEST_SEED={seed}");
+    seed
 }
 
 /// Logs to the test's output when `OUTBOX_LOG` is set (e.g. `OUTBOX_LOG=debug`).

@@ -42,6 +42,7 @@ fn envelope(seq: i64, destination: &str, key: &str) -> Envelope {
         headers: vec![("tenant".into(), "acme".into())],
         payload: format!("{key}:{seq}").into_bytes(),
         content_type: Some("text/plain".into()),
+        event_type: None,
         created_at: SystemTime::now(),
         attempts: 0,
     }

@@ -236,6 +236,7 @@ async fn a_delivery_report_without_an_offset_is_not_a_confirmation() {
             headers: Vec::new(),
             payload: i.to_string().into_bytes(),
             content_type: None,
+            event_type: None,
             created_at: std::time::SystemTime::now(),
             attempts: 0,
         })

@@ -2,61 +2,19 @@
 //! what the relay published and see the contract: message id present and
 //! stable, nothing rolled back, per-key order, record key = ordering key.
 
-use std::process::Stdio;
-use std::time::Duration;
-
 use base64::Engine;
 use outbox_tests::check::{check, Seen};
 use outbox_tests::db::TestDb;
+use outbox_tests::python::Reader;
 use outbox_tests::workload::{self, Spec, Tag};
 use outbox_tests::{fast_settings, kafka_brokers, InProcessRelay};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 
 const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const MESSAGES: usize = 2_000;
 
 fn consumer_script(name: &str) -> String {
-    format!("{}/consumers/{name}", env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Starts a Python consumer and waits for its "ready" line.
-async fn start(
-    args: &[String],
-) -> (
-    Child,
-    tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-) {
-    let mut child = Command::new("python3")
-        .args(args)
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("python3 runs (tests/run.sh installs pika and confluent-kafka)");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-        .await
-        .expect("consumer ready in time")
-        .expect("read")
-        .expect("a line");
-    assert_eq!(
-        first, "ready",
-        "consumer failed to start (is pika/confluent-kafka installed?)"
-    );
-    (child, lines)
-}
-
-async fn collect(
-    mut child: Child,
-    mut lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-) -> Vec<serde_json::Value> {
-    let mut out = Vec::new();
-    while let Some(line) = lines.next_line().await.expect("read") {
-        out.push(serde_json::from_str(&line).expect("json line"));
-    }
-    let status = child.wait().await.expect("wait");
-    assert!(status.success(), "consumer exited with {status}");
-    out
+    outbox_tests::python::script(name)
 }
 
 fn seen(values: &[serde_json::Value]) -> Vec<Seen> {
@@ -77,7 +35,7 @@ async fn python_amqp_consumer_sees_the_contract() {
     let db = TestDb::new().await;
     let exchange = outbox_tests::unique("py");
     outbox_tests::amqp::declare_unbound_exchange(&exchange).await;
-    let (child, lines) = start(&[
+    let child = Reader::start(&[
         consumer_script("amqp_consumer.py"),
         outbox_tests::amqp_url(),
         exchange.clone(),
@@ -92,7 +50,7 @@ async fn python_amqp_consumer_sees_the_contract() {
         &Spec::new(&exchange, 4, 20, MESSAGES),
     )
     .await;
-    let got = collect(child, lines).await;
+    let got = child.collect().await;
     let report = check(&written, &seen(&got));
     outbox_tests::check::record(
         TMP,
@@ -105,6 +63,11 @@ async fn python_amqp_consumer_sees_the_contract() {
     for v in &got {
         assert_eq!(v["delivery_mode"], 2);
         assert_eq!(v["content_type"], "application/json");
+        let headers = v["headers"].as_object().expect("headers");
+        assert!(
+            !headers.keys().any(|k| k.starts_with("ce-")),
+            "no CloudEvents headers by default: {v}"
+        );
     }
     relay.stop().await;
     outbox_tests::amqp::delete_exchange(&exchange).await;
@@ -125,7 +88,7 @@ async fn python_kafka_consumer_sees_the_contract() {
         &Spec::new(&topic, 4, 20, MESSAGES),
     )
     .await;
-    let (child, lines) = start(&[
+    let child = Reader::start(&[
         consumer_script("kafka_consumer.py"),
         brokers.clone(),
         topic.clone(),
@@ -134,7 +97,7 @@ async fn python_kafka_consumer_sees_the_contract() {
         "120".into(),
     ])
     .await;
-    let got = collect(child, lines).await;
+    let got = child.collect().await;
     let report = check(&written, &seen(&got));
     outbox_tests::check::record(
         TMP,
@@ -155,6 +118,11 @@ async fn python_kafka_consumer_sees_the_contract() {
             "record key = ordering key"
         );
         assert_eq!(v["headers"]["content-type"], "application/json");
+        let headers = v["headers"].as_object().expect("headers");
+        assert!(
+            !headers.keys().any(|k| k.starts_with("ce_")),
+            "no CloudEvents headers by default: {v}"
+        );
     }
     relay.stop().await;
     db.cleanup().await;
@@ -213,9 +181,10 @@ async fn python_enqueues_through_the_sql_function_and_a_plain_insert() {
     assert!(named("header name with a space").contains("\"has space\""));
     assert!(named("non-string header value").contains("string value"));
     assert!(named("payload over the limit").contains("2000 bytes exceeds the limit of 1000"));
+    assert!(named("empty event type").contains("event type is empty"));
     assert_eq!(
         lines.iter().filter(|l| l.get("refused").is_some()).count(),
-        10
+        11
     );
     // Nothing refused or rolled back was written.
     assert_eq!(db.pending().await, 25);
@@ -241,7 +210,7 @@ async fn python_enqueues_through_the_sql_function_and_a_plain_insert() {
         .client
         .query_one(
             &format!(
-                "SELECT routing_key, headers::text, content_type, ordering_key FROM {} \
+                "SELECT routing_key, headers::text, content_type, ordering_key, event_type FROM {} \
                  WHERE message_id = $1",
                 db.table()
             ),
@@ -260,9 +229,13 @@ async fn python_enqueues_through_the_sql_function_and_a_plain_insert() {
         Some("application/json")
     );
     assert_eq!(row.get::<_, Option<String>>(3).as_deref(), Some("order-0"));
+    assert_eq!(
+        row.get::<_, Option<String>>(4).as_deref(),
+        Some("com.example.order.paid")
+    );
 
     // Delivered end to end to an independent consumer.
-    let (consumer, lines) = start(&[
+    let consumer = Reader::start(&[
         consumer_script("amqp_consumer.py"),
         outbox_tests::amqp_url(),
         exchange.clone(),
@@ -271,7 +244,7 @@ async fn python_enqueues_through_the_sql_function_and_a_plain_insert() {
     ])
     .await;
     let relay = InProcessRelay::amqp(&db, fast_settings());
-    let got = collect(consumer, lines).await;
+    let got = consumer.collect().await;
     relay.stop().await;
     let ids: std::collections::HashSet<&str> = got
         .iter()

@@ -16,13 +16,6 @@ use rand::{Rng, SeedableRng};
 
 const PATIENCE: Duration = Duration::from_secs(120);
 
-fn seed() -> u64 {
-    std::env::var("OUTBOX_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random())
-}
-
 async fn count(db: &TestDb, table: &str) -> i64 {
     db.client
         .query_one(
@@ -58,7 +51,7 @@ async fn ids_in(db: &TestDb, table: &str) -> HashSet<String> {
 #[tokio::test]
 async fn a_returned_message_is_never_settled_as_published() {
     outbox_tests::init_logging();
-    let seed = seed();
+    let seed = outbox_tests::seed();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
@@ -326,7 +319,7 @@ async fn a_skipped_dead_letter_does_not_stall_other_keys() {
 #[tokio::test]
 async fn a_steady_stream_on_a_blocked_key_does_not_stall_others() {
     outbox_tests::init_logging();
-    let seed = seed();
+    let seed = outbox_tests::seed();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;

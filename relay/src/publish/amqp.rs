@@ -25,6 +25,7 @@ use lapin::{
 };
 use tokio::sync::Mutex;
 
+use super::cloudevents::CloudEvents;
 use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
 use crate::redact::redact_url;
 
@@ -77,6 +78,8 @@ pub struct AmqpPublisher {
     /// RabbitMQ's default until a channel closes for a larger message and the
     /// broker's error names its limit.
     max_message_size: AtomicUsize,
+    /// CloudEvents binary mode, when on: `ce-` headers on every message.
+    cloudevents: Option<CloudEvents>,
 }
 
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
@@ -106,7 +109,15 @@ impl AmqpPublisher {
             link: Mutex::new(None),
             exchanges_seen: Mutex::new(HashMap::new()),
             max_message_size: AtomicUsize::new(DEFAULT_MAX_MESSAGE_SIZE),
+            cloudevents: None,
         }
+    }
+
+    /// Publishes every message as a CloudEvent in binary content mode, with
+    /// the RabbitMQ binding's `ce-` headers ([`super::cloudevents`]).
+    pub fn with_cloudevents(mut self, cloudevents: CloudEvents) -> Self {
+        self.cloudevents = Some(cloudevents);
+        self
     }
 
     async fn connect(&self) -> Result<Link, PublishError> {
@@ -284,14 +295,33 @@ fn is_not_found(e: &lapin::Error) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404)
 }
 
-fn properties(env: &Envelope) -> Result<BasicProperties, Rejection> {
+fn properties(
+    env: &Envelope,
+    cloudevents: Option<&CloudEvents>,
+) -> Result<BasicProperties, Rejection> {
+    let attributes = cloudevents.map(|ce| ce.attributes(env));
     let mut headers = FieldTable::default();
     for (name, value) in &env.headers {
+        // A row header that spells one of the event's attributes in any case
+        // is left out: the event's own value is the one consumers must see.
+        let shadowed = attributes.iter().flatten().any(|(a, _)| {
+            name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce-"))
+                && name.get(3..).is_some_and(|n| n.eq_ignore_ascii_case(a))
+        });
+        if shadowed {
+            continue;
+        }
         let name = ShortString::try_new(name.as_str())
             .map_err(|_| Rejection::permanent(format!("header name {name:?} exceeds 255 bytes")))?;
         headers.insert(
             name,
             AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
+        );
+    }
+    for (name, value) in attributes.into_iter().flatten() {
+        headers.insert(
+            ShortString::from(format!("ce-{name}")),
+            AMQPValue::LongString(LongString::from(value.into_bytes())),
         );
     }
     let timestamp = env
@@ -464,7 +494,9 @@ impl Publisher for AmqpPublisher {
                     ShortString::try_new(exchange),
                     ShortString::try_new(env.routing_key.as_str()),
                 ) {
-                    (Ok(x), Ok(rk)) => properties(env).map(|p| (x, rk, p)),
+                    (Ok(x), Ok(rk)) => {
+                        properties(env, self.cloudevents.as_ref()).map(|p| (x, rk, p))
+                    }
                     _ => Err(Rejection::permanent(
                         "exchange or routing key exceeds 255 bytes",
                     )),
@@ -680,5 +712,50 @@ mod tests {
         ));
         // The text above stands in for the broker's channel.close reason.
         assert_eq!(size_limit_from(&e), Some(1_048_576));
+    }
+
+    #[test]
+    fn cloudevents_headers_replace_row_headers_that_spell_them() {
+        let env = Envelope {
+            seq: 1,
+            message_id: uuid::Uuid::nil(),
+            destination: "orders".into(),
+            ordering_key: None,
+            routing_key: String::new(),
+            headers: vec![
+                ("CE-Type".into(), "spoofed".into()),
+                ("ce-subject".into(), "kept".into()),
+                ("x-other".into(), "kept".into()),
+            ],
+            payload: Vec::new(),
+            content_type: Some("application/json".into()),
+            event_type: Some("order.paid".into()),
+            created_at: UNIX_EPOCH,
+            attempts: 0,
+        };
+        let ce = CloudEvents::new("/orders").expect("valid source");
+        let props = properties(&env, Some(&ce)).expect("properties");
+        let headers = props.headers().as_ref().expect("headers");
+        let names: Vec<&str> = headers.inner().keys().map(|k| k.as_str()).collect();
+        assert!(!names.contains(&"CE-Type"), "{names:?}");
+        assert!(names.contains(&"ce-subject") && names.contains(&"x-other"));
+        assert_eq!(
+            headers.inner().get("ce-type"),
+            Some(&AMQPValue::LongString(LongString::from("order.paid")))
+        );
+        for attribute in ["ce-id", "ce-source", "ce-specversion", "ce-time"] {
+            assert!(names.contains(&attribute), "{attribute} missing: {names:?}");
+        }
+        // Without the mode, nothing is added.
+        let plain = properties(&env, None).expect("properties");
+        let names: Vec<String> = plain
+            .headers()
+            .as_ref()
+            .expect("headers")
+            .inner()
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        assert_eq!(names.len(), 3, "{names:?}");
     }
 }

@@ -22,6 +22,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
+use super::cloudevents::CloudEvents;
 use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
 
 /// Settings for [`KafkaPublisher`].
@@ -96,6 +97,8 @@ impl KafkaSettings {
 pub struct KafkaPublisher {
     settings: KafkaSettings,
     producer: RwLock<Arc<FutureProducer>>,
+    /// CloudEvents binary mode, when on: `ce_` headers on every record.
+    cloudevents: Option<CloudEvents>,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -113,7 +116,15 @@ impl KafkaPublisher {
         Ok(KafkaPublisher {
             settings,
             producer: RwLock::new(Arc::new(producer)),
+            cloudevents: None,
         })
+    }
+
+    /// Publishes every record as a CloudEvent in binary content mode, with
+    /// the Kafka binding's `ce_` headers ([`super::cloudevents`]).
+    pub fn with_cloudevents(mut self, cloudevents: CloudEvents) -> Self {
+        self.cloudevents = Some(cloudevents);
+        self
     }
 
     fn producer(&self) -> Arc<FutureProducer> {
@@ -196,9 +207,9 @@ fn rejection(e: &KafkaError) -> Option<Rejection> {
     }
 }
 
-fn headers(env: &Envelope) -> OwnedHeaders {
+fn headers(env: &Envelope, cloudevents: Option<&CloudEvents>) -> OwnedHeaders {
     let id = env.message_id.to_string();
-    let mut h = OwnedHeaders::new_with_capacity(env.headers.len() + 2).insert(Header {
+    let mut h = OwnedHeaders::new_with_capacity(env.headers.len() + 7).insert(Header {
         key: "message-id",
         value: Some(id.as_str()),
     });
@@ -208,7 +219,24 @@ fn headers(env: &Envelope) -> OwnedHeaders {
             value: Some(ct.as_str()),
         });
     }
+    let attributes: Vec<(String, String)> = cloudevents
+        .map(|ce| ce.attributes(env))
+        .into_iter()
+        .flatten()
+        .map(|(name, value)| (format!("ce_{name}"), value))
+        .collect();
+    // Kafka headers may repeat a name; a row header that spells one of the
+    // event's attributes is left out rather than sent beside it.
     for (k, v) in &env.headers {
+        if attributes.iter().any(|(a, _)| a.eq_ignore_ascii_case(k)) {
+            continue;
+        }
+        h = h.insert(Header {
+            key: k.as_str(),
+            value: Some(v.as_str()),
+        });
+    }
+    for (k, v) in &attributes {
         h = h.insert(Header {
             key: k.as_str(),
             value: Some(v.as_str()),
@@ -236,7 +264,7 @@ impl Publisher for KafkaPublisher {
             }
             let mut record = FutureRecord::<[u8], [u8]>::to(&env.destination)
                 .payload(&env.payload)
-                .headers(headers(env));
+                .headers(headers(env, self.cloudevents.as_ref()));
             if let Some(key) = &env.ordering_key {
                 record = record.key(key.as_bytes());
             }

@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use uuid::Uuid;
 
 pub mod amqp;
+pub mod cloudevents;
 pub mod kafka;
 pub mod memory;
 
@@ -34,6 +35,8 @@ pub struct Envelope {
     pub payload: Vec<u8>,
     /// MIME content type, if the row has one.
     pub content_type: Option<String>,
+    /// The event type, if the row has one: the CloudEvents `type`.
+    pub event_type: Option<String>,
     /// When the row was written.
     pub created_at: SystemTime,
     /// Failed attempts so far.

@@ -112,13 +112,13 @@ impl Queries {
             claim: format!(
                 "WITH fresh AS ( \
                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, created_at, attempts, payload, octet_length(payload) AS size \
+                           content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
                     FROM {t} \
                     WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, created_at, attempts, payload, octet_length(payload) AS size \
+                           content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
                     FROM {t} \
                     WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
                       AND partition = ANY($2::smallint[]) \
@@ -153,7 +153,7 @@ impl Queries {
                     FROM kept m LEFT JOIN gate g ON g.k = m.ordering_key \
                  ) \
                  SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
-                        v.content_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
+                        v.content_type, v.event_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
                         CASE WHEN v.blocked THEN NULL ELSE v.payload END AS payload \
                  FROM verdict v \
                  ORDER BY v.seq"
@@ -167,9 +167,9 @@ impl Queries {
                 "WITH f AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS f(seq, err)), \
                  moved AS (DELETE FROM {t} m USING f WHERE m.seq = f.seq RETURNING m.*, f.err) \
                  INSERT INTO {dl} (seq, message_id, destination, ordering_key, routing_key, headers, \
-                                   payload, content_type, created_at, attempts, last_error, last_attempt_at) \
+                                   payload, content_type, event_type, created_at, attempts, last_error, last_attempt_at) \
                  SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
-                        content_type, created_at, attempts + 1, err, now() FROM moved"
+                        content_type, event_type, created_at, attempts + 1, err, now() FROM moved"
             ),
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
             fail: format!(
@@ -182,7 +182,9 @@ impl Queries {
             note_batch_error: format!(
                 "UPDATE {t} SET last_error = $2, last_attempt_at = now() WHERE seq = ANY($1)"
             ),
-            exists: format!("SELECT 1 FROM {t} LIMIT 0"),
+            // Names the newest column, so a schema a migration behind is refused
+            // at start-up rather than at the first claim.
+            exists: format!("SELECT event_type FROM {t} LIMIT 0"),
             // statement_timestamp(): when the settle ran, after the confirms
             // arrived (now() would be the claim's time, before publishing).
             retain: retain.then(|| {
@@ -190,9 +192,9 @@ impl Queries {
                     "WITH r AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS r(seq, receipt)), \
                      moved AS (DELETE FROM {t} m USING r WHERE m.seq = r.seq RETURNING m.*, r.receipt) \
                      INSERT INTO {pb} (seq, message_id, destination, ordering_key, routing_key, headers, \
-                                       payload, content_type, created_at, attempts, published_at, receipt) \
+                                       payload, content_type, event_type, created_at, attempts, published_at, receipt) \
                      SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
-                            content_type, created_at, attempts, statement_timestamp(), receipt::jsonb \
+                            content_type, event_type, created_at, attempts, statement_timestamp(), receipt::jsonb \
                      FROM moved"
                 )
             }),
@@ -404,6 +406,7 @@ fn envelope(row: &Row) -> Result<Envelope, tokio_postgres::Error> {
         headers,
         payload: row.try_get("payload")?,
         content_type: row.try_get("content_type")?,
+        event_type: row.try_get("event_type")?,
         created_at: row.try_get::<_, SystemTime>("created_at")?,
         attempts: row.try_get("attempts")?,
     })

@@ -391,6 +391,7 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
                     headers: Vec::new(),
                     payload: payload.clone(),
                     content_type: Some(CONTENT_TYPE.into()),
+                    event_type: None,
                     created_at: std::time::SystemTime::now(),
                     attempts: 0,
                 })
