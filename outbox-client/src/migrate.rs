@@ -38,6 +38,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V8__event_type",
         include_str!("../../migrations/V8__event_type.sql"),
     ),
+    (
+        "V9__notify_off_by_default",
+        include_str!("../../migrations/V9__notify_off_by_default.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it.

@@ -433,10 +433,17 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_PIPELINE", default_value_t = 3,
           value_parser = clap::value_parser!(u16).range(1..=32))]
     pub pipeline: u16,
-    /// Longest wait between claims without a NOTIFY. A missed notification delays
-    /// delivery by at most this much.
-    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    /// Longest pause between claims while the outbox is idle. Claims run back
+    /// to back while they come back full; the pause starts at --poll-min and
+    /// doubles with each empty claim up to this, so a message committed into an
+    /// idle outbox waits at most this long. One worker polls while idle; the
+    /// others stand by.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
+    /// Shortest pause between claims, after one that took less than a full
+    /// batch: a trickle goes out in batches of a few rather than one by one.
+    #[arg(long, env = "OUTBOX_POLL_MIN", default_value = "5ms", value_parser = parse_duration)]
+    pub poll_min: Duration,
     /// First retry delay after the broker rejects a message; doubles per attempt.
     #[arg(long, env = "OUTBOX_RETRY_BASE", default_value = "1s", value_parser = parse_duration)]
     pub retry_base: Duration,
@@ -570,6 +577,20 @@ impl RunArgs {
                 ),
             });
         }
+        for (flag, pause) in [
+            ("--poll-interval", self.poll_interval),
+            ("--poll-min", self.poll_min),
+        ] {
+            if pause < Duration::from_millis(1) {
+                return Err(ConfigError {
+                    flag,
+                    reason: format!(
+                        "{} is under 1ms: an idle relay would claim in a busy loop",
+                        humantime::format_duration(pause)
+                    ),
+                });
+            }
+        }
         let amqp_url = match &self.amqp_url_file {
             Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url)?,
             None => self.amqp_url.clone(),
@@ -628,6 +649,7 @@ impl RunArgs {
                 batch_max_bytes: self.batch_max_bytes,
                 pipeline: usize::from(self.pipeline),
                 poll_interval: self.poll_interval,
+                poll_min: self.poll_min.min(self.poll_interval),
                 retry_base: self.retry_base,
                 retry_max: self.retry_max,
                 reconnect_max: self.reconnect_max,
@@ -694,6 +716,35 @@ mod tests {
         };
         let err = args.into_config().map(|_| ()).expect_err("rejected");
         assert_eq!(err.flag, "--hold-limit");
+    }
+
+    #[test]
+    fn polling_pauses_under_a_millisecond_are_refused() {
+        for (flag, value) in [("--poll-interval", "0s"), ("--poll-min", "100us")] {
+            let Ok(Cli {
+                command: Command::Run(args),
+                ..
+            }) = Cli::try_parse_from(["outbox-relay", "run", flag, value])
+            else {
+                panic!("flags parse");
+            };
+            let err = args.into_config().map(|_| ()).expect_err("rejected");
+            assert_eq!(err.flag, flag);
+            assert!(err.reason.contains("busy loop"), "{}", err.reason);
+        }
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from(["outbox-relay", "run", "--poll-interval", "2ms"])
+        else {
+            panic!("flags parse");
+        };
+        let config = args.into_config().expect("valid");
+        assert_eq!(
+            config.settings.poll_min,
+            Duration::from_millis(2),
+            "the shortest pause never exceeds the longest"
+        );
     }
 }
 

@@ -40,8 +40,13 @@ pub struct Settings {
     /// pipeline + 1 workers claim and settle around them, so at most
     /// pipeline + 1 batches are published and not yet settled.
     pub pipeline: usize,
-    /// Longest wait between claims when no NOTIFY arrives.
+    /// Longest pause between claims while the outbox is idle. Claims run back
+    /// to back while they come back full; after a claim that was not full the
+    /// pause is `poll_min`, and it doubles with every empty claim up to this.
     pub poll_interval: Duration,
+    /// Shortest pause between claims: after one that took less than a full
+    /// batch, so that a trickle is sent in batches of a few, not of one.
+    pub poll_min: Duration,
     /// First retry delay of a message the broker rejected.
     pub retry_base: Duration,
     /// Longest retry delay of a rejected message.
@@ -72,7 +77,8 @@ impl Default for Settings {
             batch_size: 500,
             batch_max_bytes: 8 * 1024 * 1024,
             pipeline: 3,
-            poll_interval: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(50),
+            poll_min: Duration::from_millis(5),
             retry_base: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
             reconnect_max: Duration::from_secs(10),
@@ -171,6 +177,7 @@ pub struct Relay<P: Publisher> {
 
 struct Worker<P: Publisher> {
     id: usize,
+    idle: Idle,
     owned: Owned,
     pg: Database,
     queries: Queries,
@@ -198,9 +205,36 @@ fn budget_share(bytes: usize, budget_kib: u32) -> u32 {
 }
 
 enum BatchEnd {
-    Empty,
-    Settled,
+    /// Nothing to publish; `behind` when rows are waiting behind another
+    /// batch in flight (older rows of their keys), so work will be there as
+    /// soon as it settles.
+    Empty { behind: bool },
+    /// A batch was settled; `more` when more is probably waiting: the claim
+    /// took as much as a batch may hold, or left rows behind another batch.
+    Settled { more: bool },
 }
+
+/// How the workers share the waiting while the outbox is idle: one of them at
+/// a time (the holder of `poller`) claims at pauses that grow from
+/// `poll_min` to `poll_interval`; the others stand by until `work` hands
+/// them something. A full batch, a notification (NOTIFY) or an ownership
+/// change wakes one more worker, never all of them for one row.
+#[derive(Clone, Default)]
+struct Idle {
+    poller: Arc<tokio::sync::Mutex<()>>,
+    work: Arc<tokio::sync::Notify>,
+    /// Held by the worker whose claim is running. Two claims of one relay at
+    /// once would each lock rows the other then finds blocked behind them
+    /// (older rows of the same keys): with a few hot keys every claim came
+    /// back empty while the rows piled up. One at a time, each claim takes
+    /// what the batches in flight left free.
+    claiming: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// How long a standing-by worker waits at least before it claims anyway (or
+/// the poll interval, if longer): a floor under every hand-off, in case one
+/// is missed.
+const STANDBY_RECHECK: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 enum BatchError {
@@ -261,13 +295,12 @@ impl<P: Publisher> Relay<P> {
 
         let (owned_tx, owned) = watch::channel(Arc::new(Vec::new()));
 
-        let (wake, _) = watch::channel(0u64);
-        let wake = Arc::new(wake);
+        let idle = Idle::default();
         let tracker = TaskTracker::new();
         tracker.spawn(listener::run(
             self.pg.clone(),
             self.schema.notify_channel(),
-            Arc::clone(&wake),
+            Arc::clone(&idle.work),
             self.settings.reconnect_max,
             shutdown.clone(),
         ));
@@ -305,6 +338,7 @@ impl<P: Publisher> Relay<P> {
         let payload_budget = Arc::new(tokio::sync::Semaphore::new(payload_budget_kib as usize));
         for id in 0..=pipeline {
             let worker = Worker {
+                idle: idle.clone(),
                 in_flight: Arc::clone(&in_flight),
                 payload_budget: Arc::clone(&payload_budget),
                 payload_budget_kib,
@@ -316,7 +350,7 @@ impl<P: Publisher> Relay<P> {
                 settings: self.settings.clone(),
                 stats: Arc::clone(&self.stats),
             };
-            tracker.spawn(worker.run(wake.subscribe(), shutdown.clone()));
+            tracker.spawn(worker.run(shutdown.clone()));
         }
         tracing::info!(schema = %self.schema, pipeline = self.settings.pipeline, batch_size = self.settings.batch_size, "relay running");
         tracker.close();
@@ -371,9 +405,10 @@ impl<P: Publisher> Relay<P> {
 }
 
 impl<P: Publisher> Worker<P> {
-    async fn run(mut self, mut wake: watch::Receiver<u64>, shutdown: CancellationToken) {
+    async fn run(mut self, shutdown: CancellationToken) {
         let mut reconnect = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
+        let mut idle = Backoff::new(self.settings.poll_min, self.settings.poll_interval);
         'connect: while !shutdown.is_cancelled() {
             let mut client = match source::connect(&self.pg, self.settings.hold_limit).await {
                 Ok(c) => {
@@ -401,19 +436,35 @@ impl<P: Publisher> Worker<P> {
             };
             reconnect.reset();
             while !shutdown.is_cancelled() {
-                wake.borrow_and_update();
                 match self
                     .batch_until_grace(&mut client, &prepared, &shutdown)
                     .await
                 {
-                    Some(Ok(BatchEnd::Settled)) => broker.reset(),
-                    Some(Ok(BatchEnd::Empty)) => {
+                    Some(Ok(BatchEnd::Settled { more: true })) => {
                         broker.reset();
-                        tokio::select! {
-                            _ = shutdown.cancelled() => {}
-                            _ = wake.changed() => {}
-                            _ = self.owned.changed() => {}
-                            _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                        idle.reset();
+                        // Probably more waiting: bring one more worker in.
+                        self.idle.work.notify_one();
+                    }
+                    Some(Ok(BatchEnd::Settled { more: false })) => {
+                        broker.reset();
+                        idle.reset();
+                        self.pause(idle.next_delay(), &shutdown).await;
+                    }
+                    Some(Ok(BatchEnd::Empty { behind: true })) => {
+                        // The batch ahead hands work over when it settles;
+                        // the pause is only a floor under that.
+                        broker.reset();
+                        self.pause(idle.next_delay(), &shutdown).await;
+                    }
+                    Some(Ok(BatchEnd::Empty { behind: false })) => {
+                        broker.reset();
+                        match self.idle.poller.clone().try_lock_owned() {
+                            Ok(_polling) => self.pause(idle.next_delay(), &shutdown).await,
+                            Err(_) => {
+                                let standby = self.settings.poll_interval.max(STANDBY_RECHECK);
+                                self.pause(standby, &shutdown).await
+                            }
                         }
                     }
                     Some(Err(BatchError::Publish(e))) => {
@@ -449,6 +500,17 @@ impl<P: Publisher> Worker<P> {
         }
     }
 
+    /// Waits `pause`, or less when work is handed over, ownership changes or
+    /// the relay stops.
+    async fn pause(&mut self, pause: Duration, shutdown: &CancellationToken) {
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = self.idle.work.notified() => {}
+            _ = self.owned.changed() => {}
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+
     /// Runs one batch to completion; only if shutdown was requested *and* the
     /// grace period ran out is it dropped (rolling back its transaction).
     async fn batch_until_grace(
@@ -472,7 +534,7 @@ impl<P: Publisher> Worker<P> {
     ) -> Result<BatchEnd, BatchError> {
         let partitions = Arc::clone(&self.owned.borrow());
         if partitions.is_empty() {
-            return Ok(BatchEnd::Empty);
+            return Ok(BatchEnd::Empty { behind: false });
         }
         let tx = client.transaction().await?;
         let claimed_at = std::time::Instant::now();
@@ -486,11 +548,14 @@ impl<P: Publisher> Worker<P> {
             bytes: self.settings.batch_max_bytes,
             park_recheck: self.settings.retry_max,
         };
+        let claiming = self.idle.claiming.lock().await;
         let claimed = self
             .queries
             .claim(&tx, prepared, &limits, &partitions)
             .await?;
+        drop(claiming);
         let holds = claimed.holds;
+        let behind = claimed.blocked > holds.len();
         #[cfg(feature = "mutants")]
         let batch = crate::mutants::apply_watermark(claimed.batch);
         #[cfg(not(feature = "mutants"))]
@@ -501,9 +566,9 @@ impl<P: Publisher> Worker<P> {
             let held = self.queries.hold(&tx, &holds).await?;
             tx.commit().await?;
             return Ok(if held > 0 {
-                BatchEnd::Settled
+                BatchEnd::Settled { more: true }
             } else {
-                BatchEnd::Empty
+                BatchEnd::Empty { behind }
             });
         }
         #[cfg(feature = "mutants")]
@@ -515,22 +580,28 @@ impl<P: Publisher> Worker<P> {
             self.stats
                 .published
                 .fetch_add(seqs.len() as u64, Ordering::Relaxed);
-            return Ok(BatchEnd::Settled);
+            return Ok(BatchEnd::Settled { more: true });
         }
         // The batch's share of the payload budget, held until it settles.
         let bytes: usize = batch.iter().map(|e| e.payload.len()).sum();
+        // The claim took all a batch may hold: by rows, or by bytes (the next
+        // row, which the claim read but did not keep, would not have fit).
+        let more = behind
+            || batch.len() + holds.len() >= self.settings.batch_size as usize
+            || bytes.saturating_mul(2)
+                >= usize::try_from(self.settings.batch_max_bytes).unwrap_or(usize::MAX);
         let Ok(_share) = self
             .payload_budget
             .acquire_many(budget_share(bytes, self.payload_budget_kib))
             .await
         else {
-            return Ok(BatchEnd::Settled); // closed: never, the relay owns it
+            return Ok(BatchEnd::Settled { more: true }); // closed: never, the relay owns it
         };
         // Wait for a slot: while `pipeline` batches are at the broker, this one
         // stays claimed and ready. The slot is the confirm window: it is given
         // back once the broker has answered, and the settle runs outside it.
         let Ok(slot) = self.in_flight.acquire().await else {
-            return Ok(BatchEnd::Settled); // closed: never, the relay owns it
+            return Ok(BatchEnd::Settled { more: true }); // closed: never, the relay owns it
         };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
         // stall) may have lost its rows to another replica by now. Publishing
@@ -538,7 +609,7 @@ impl<P: Publisher> Worker<P> {
         if tokio::time::Instant::now() >= deadline {
             self.stats.stale_batches.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
-            return Ok(BatchEnd::Settled);
+            return Ok(BatchEnd::Settled { more: true });
         }
         self.stats
             .in_flight
@@ -644,7 +715,7 @@ impl<P: Publisher> Worker<P> {
             held = plan.held,
             "batch settled"
         );
-        Ok(BatchEnd::Settled)
+        Ok(BatchEnd::Settled { more })
     }
 }
 

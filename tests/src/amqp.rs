@@ -34,6 +34,8 @@ pub struct Delivery {
     pub timestamp: Option<u64>,
     /// Body.
     pub payload: Vec<u8>,
+    /// When the consumer received it.
+    pub received: std::time::Instant,
 }
 
 /// A topic exchange, a queue bound to it with `#`, and a consumer on the queue.
@@ -279,6 +281,7 @@ async fn consume_once(
                 delivery_mode: *p.delivery_mode(),
                 timestamp: *p.timestamp(),
                 payload: d.data.clone(),
+                received: std::time::Instant::now(),
             });
         d.ack(BasicAckOptions::default()).await?;
     }

@@ -62,14 +62,7 @@ impl RelayProcess {
 
     /// CPU time (user + system) used so far, from /proc.
     pub fn cpu_time(&self) -> Option<std::time::Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
-        // Fields after the parenthesised command name; utime and stime are the
-        // 14th and 15th fields overall, in clock ticks (100 per second on Linux).
-        let after = stat.rsplit_once(')')?.1;
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        let ticks: u64 =
-            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-        Some(std::time::Duration::from_millis(ticks * 10))
+        cpu_time_of(self.pid() as u32)
     }
 
     /// SIGKILL and reap.
@@ -187,4 +180,40 @@ pub async fn cli(bin: &str, schema: &str, args: &[&str]) -> (Option<i32>, String
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// CPU time (user + system) process `pid` used so far, from /proc.
+pub fn cpu_time_of(pid: u32) -> Option<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields overall, in clock ticks (100 per second on Linux).
+    let after = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(std::time::Duration::from_millis(ticks * 10))
+}
+
+/// Peak resident memory (VmHWM) of process `pid`, in KiB.
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The release relay binary beside the running benchmark's own
+/// (`cargo build --release -p outbox-relay`), or `OUTBOX_BENCH_RELAY`.
+pub fn release_relay_binary() -> anyhow::Result<std::path::PathBuf> {
+    // Another build of the relay (e.g. the previous release) for a paired run.
+    if let Some(other) = std::env::var_os("OUTBOX_BENCH_RELAY") {
+        return Ok(other.into());
+    }
+    let me = std::env::current_exe()?;
+    me.parent()
+        .map(|d| d.join("outbox-relay"))
+        .filter(|p| p.exists())
+        .ok_or_else(|| {
+            anyhow::anyhow!("build the relay first: cargo build --release -p outbox-relay")
+        })
 }

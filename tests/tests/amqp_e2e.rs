@@ -304,7 +304,7 @@ async fn notify_switch_and_polling_fallback() {
             .expect("valid")
     };
 
-    // 1. NOTIFY off, short polling: delivered by the poll.
+    // 1. NOTIFY off (the default), short polling: delivered by the poll.
     outbox_client::set_notify(&db.client, db.schema.as_str(), false)
         .await
         .expect("off");
@@ -319,6 +319,7 @@ async fn notify_switch_and_polling_fallback() {
     // 2. Polling effectively disabled: with NOTIFY off nothing moves...
     let hour = outbox_relay::Settings {
         poll_interval: Duration::from_secs(3600),
+        poll_min: Duration::from_secs(3600),
         ..fast_settings()
     };
     let notified = InProcessRelay::amqp(&db, hour);

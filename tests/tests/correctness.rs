@@ -275,20 +275,21 @@ async fn s06_kafka_black_holed_then_reset_broker_connection() {
     tansu.stop().await;
 }
 
-/// Scenario 8: NOTIFY off under load: polling alone delivers everything.
-async fn notify_off_under_load(sink: Sink) {
+/// Scenario 8: NOTIFY on under load (off is the default every other scenario
+/// runs with): notifications beside polling deliver everything once.
+async fn notify_on_under_load(sink: Sink) {
     outbox_tests::init_logging();
     let started = Instant::now();
     let db = TestDb::new().await;
-    outbox_client::set_notify(&db.client, db.schema.as_str(), false)
+    outbox_client::set_notify(&db.client, db.schema.as_str(), true)
         .await
-        .expect("notify off");
+        .expect("notify on");
     let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, None));
     let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(5_000))).await;
     let report = settle(&db, &sink, &written).await;
     record(
         TMP,
-        &format!("{}: notify off", sink.broker()),
+        &format!("{}: notify on", sink.broker()),
         &report,
         started.elapsed(),
         Some(0),
@@ -301,13 +302,13 @@ async fn notify_off_under_load(sink: Sink) {
 }
 
 #[tokio::test]
-async fn s08_amqp_notify_off_under_load() {
-    notify_off_under_load(Sink::amqp().await).await;
+async fn s08_amqp_notify_on_under_load() {
+    notify_on_under_load(Sink::amqp().await).await;
 }
 
 #[tokio::test]
-async fn s08_kafka_notify_off_under_load() {
-    notify_off_under_load(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
+async fn s08_kafka_notify_on_under_load() {
+    notify_on_under_load(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
 /// Scenario 11: a session idle in a transaction holds back vacuum for the whole

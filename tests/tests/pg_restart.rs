@@ -54,7 +54,12 @@ impl Lane {
             // Polling effectively off: deliveries after the LISTEN connection
             // is killed prove the relay listens again.
             ("OUTBOX_POLL_INTERVAL", "1h".to_string()),
+            ("OUTBOX_POLL_MIN", "1h".to_string()),
         ];
+        // NOTIFY is off by default; this scenario is about the LISTEN path.
+        outbox_client::set_notify(&db.client, db.schema.as_str(), true)
+            .await
+            .expect("notify on");
         env.extend(sink.relay_env(None));
         let relay = RelayProcess::start(RELAY_BIN, &env);
         Lane { db, sink, relay }

@@ -1,14 +1,18 @@
 //! LISTEN for the insert trigger's NOTIFY and turn it into wake-ups.
 //!
-//! Notifications only shorten the wait: polling still finds every row, so a
-//! notification lost while this connection was down costs at most one poll
-//! interval. After every (re)connect a wake-up is sent anyway, as a catch-up poll.
+//! The trigger is off unless an operator turns it on (`outbox-relay notify
+//! on`): at commit, Postgres serializes every transaction that sent a
+//! notification, so it costs the writers. Notifications only shorten the
+//! wait: polling still finds every row, so a notification lost while this
+//! connection was down costs at most one poll interval. After every
+//! (re)connect a wake-up is sent anyway, as a catch-up poll. A wake-up
+//! rouses one worker, whichever is waiting, not all of them.
 
 use std::future::poll_fn;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
 
 use super::Database;
@@ -17,11 +21,12 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 
 /// Keeps a LISTEN connection open until `shutdown`, reconnecting with capped
-/// backoff. Each notification bumps `wake`; waiters coalesce however many arrive.
+/// backoff. Each notification wakes one waiting worker; if none waits, the
+/// next one to wait finds the wake-up (however many arrived, one is kept).
 pub async fn run(
     config: Database,
     channel: String,
-    wake: Arc<watch::Sender<u64>>,
+    wake: Arc<Notify>,
     reconnect_max: Duration,
     shutdown: CancellationToken,
 ) {
@@ -44,7 +49,7 @@ pub async fn run(
 async fn listen_once(
     config: &Database,
     channel: &str,
-    wake: &Arc<watch::Sender<u64>>,
+    wake: &Arc<Notify>,
     shutdown: &CancellationToken,
 ) -> Result<(), ListenError> {
     let (client, mut connection) = config.connect().await?;
@@ -54,9 +59,7 @@ async fn listen_once(
     let mut driver = tokio::spawn(async move {
         loop {
             match poll_fn(|cx| connection.poll_message(cx)).await {
-                Some(Ok(AsyncMessage::Notification(_))) => {
-                    notifier.send_modify(|n| *n = n.wrapping_add(1));
-                }
+                Some(Ok(AsyncMessage::Notification(_))) => notifier.notify_one(),
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(e),
                 None => return Ok(()),
@@ -74,7 +77,7 @@ async fn listen_once(
     }
     tracing::debug!(channel, "listening");
     // Catch up on whatever was committed while we were not listening.
-    wake.send_modify(|n| *n = n.wrapping_add(1));
+    wake.notify_one();
 
     // A quiet connection can die without an error (server restarted, NAT dropped
     // it); a cheap query now and then surfaces that.

@@ -555,28 +555,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Peak resident memory (VmHWM) of process `pid`, in KiB.
-fn peak_rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-/// The release relay binary beside this benchmark's own.
-fn relay_binary() -> anyhow::Result<std::path::PathBuf> {
-    let me = std::env::current_exe()?;
-    let bin = me
-        .parent()
-        .map(|d| d.join("outbox-relay"))
-        .filter(|p| p.exists())
-        .ok_or_else(|| {
-            anyhow::anyhow!("build the relay first: cargo build --release -p outbox-relay")
-        })?;
-    Ok(bin)
-}
-
 /// Drains one backlog with a relay process and returns (seconds, peak RSS KiB).
 async fn drain_process(
     bin: &std::path::Path,
@@ -616,7 +594,7 @@ async fn drain_process(
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
     let secs = started.elapsed().as_secs_f64();
-    let peak = peak_rss_kib(pid).unwrap_or(0);
+    let peak = outbox_tests::process::peak_rss_kib(pid).unwrap_or(0);
     child.kill().await?;
     ch.queue_purge(consumer_queue.into(), QueuePurgeOptions::default())
         .await?;
@@ -627,7 +605,7 @@ async fn drain_process(
 /// idle, all in one run.
 async fn memory() -> anyhow::Result<()> {
     use rand::{Rng, SeedableRng};
-    let bin = relay_binary()?;
+    let bin = outbox_tests::process::release_relay_binary()?;
     let exchange = outbox_tests::unique("benchmem");
     let queue = outbox_tests::unique("benchmemq");
     let conn =

@@ -1,0 +1,17 @@
+-- The insert trigger's NOTIFY is off by default.
+--
+-- At commit, Postgres takes one instance-wide lock for every transaction with
+-- a pending notification and holds it through the commit record's WAL flush,
+-- so notifying writers commit one at a time and lose group commit: measured
+-- here, half the commit rate at 16 and 64 connections. The relay finds rows by
+-- adaptive polling instead (back to back while there is work, pauses that grow
+-- from --poll-min to --poll-interval while idle). `outbox-relay notify on`
+-- turns the trigger back on where an idle outbox must answer faster than
+-- --poll-interval and the writers can afford it; relays keep listening either
+-- way.
+--
+-- This changes a schema migrated before: a deployment that wants NOTIFY runs
+-- `notify on` again after this migration. Relays of the previous version
+-- (1 s polling) still find every row, with up to a second of delay, until
+-- they are replaced.
+ALTER TABLE messages DISABLE TRIGGER messages_notify;

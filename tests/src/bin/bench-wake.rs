@@ -1,0 +1,524 @@
+//! What finding rows costs the writers and the relay, in one run:
+//!
+//! `cargo run --release -p outbox-tests --bin bench-wake -- writers [--seconds S] [--rounds R]`
+//!   commits one 1 KiB row per transaction from 1, 4, 16 and 64 connections
+//!   into a plain table with the outbox's columns and indexes and no trigger
+//!   (the baseline), into the outbox as `migrate` leaves it, into the outbox
+//!   with NOTIFY on, and through `outbox.enqueue(...)`; by pgbench (plain SQL
+//!   from another program) and by `outbox-client` (`Outbox::enqueue` against
+//!   the same INSERT into the plain table). Runs alternate; each figure is
+//!   the median of the rounds, as a ratio to the plain table.
+//!
+//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka]`
+//!   runs the release relay (`cargo build --release -p outbox-relay`) with
+//!   default settings, writes at each fixed rate (default 1,000 and 5,000
+//!   msg/s, one 1 KiB message per transaction from 16 connections), and
+//!   reports commit-to-consumer p50, p99 and max, the relay's CPU seconds per
+//!   10,000 messages, its CPU while idle, and its peak RSS.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use outbox_client::Message;
+use outbox_tests::amqp::Fixture;
+use outbox_tests::db::TestDb;
+use outbox_tests::process::{cpu_time_of, peak_rss_kib, release_relay_binary};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::Message as _;
+
+const CLIENTS: [usize; 4] = [1, 4, 16, 64];
+const PAYLOAD: usize = 1024;
+
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let argv: Vec<String> = std::env::args().collect();
+    argv.iter()
+        .position(|a| a == name)
+        .and_then(|i| argv.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn args_all(name: &str) -> Vec<String> {
+    let argv: Vec<String> = std::env::args().collect();
+    argv.windows(2)
+        .filter(|w| w[0] == name)
+        .map(|w| w[1].clone())
+        .collect()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match std::env::args().nth(1).as_deref() {
+        Some("writers") => writers(arg("--seconds", 8), arg("--rounds", 2)).await,
+        Some("latency") => {
+            let mut rates: Vec<u64> = args_all("--rate")
+                .iter()
+                .filter_map(|r| r.parse().ok())
+                .collect();
+            if rates.is_empty() {
+                rates = vec![1_000, 5_000];
+            }
+            let broker = arg("--broker", "amqp".to_owned());
+            let notify = arg("--notify", "off".to_owned()) == "on";
+            latency(
+                &rates,
+                arg("--seconds", 20),
+                arg("--keys", 10_000),
+                notify,
+                &broker,
+            )
+            .await
+        }
+        _ => {
+            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka]");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[mid - 1] + v[mid]) / 2.0
+    } else {
+        v[mid]
+    }
+}
+
+/// What a writer commits into, each transaction one row.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Target {
+    Plain,
+    Outbox,
+    OutboxNotify,
+    Function,
+}
+
+impl Target {
+    fn label(self) -> &'static str {
+        match self {
+            Target::Plain => "plain table (baseline)",
+            Target::Outbox => "outbox as migrated",
+            Target::OutboxNotify => "outbox, NOTIFY on",
+            Target::Function => "outbox.enqueue()",
+        }
+    }
+}
+
+async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {s}.plain (LIKE {s}.messages INCLUDING ALL)"
+        ))
+        .await?;
+    let dir = std::env::temp_dir().join(outbox_tests::unique("pgbench"));
+    std::fs::create_dir_all(&dir)?;
+    let payload = format!("decode(repeat('78', {PAYLOAD}), 'hex')");
+    let scripts = [
+        (
+            Target::Plain,
+            format!("INSERT INTO {s}.plain (destination, ordering_key, payload) VALUES ('bench', 'k' || :client_id, {payload});\n"),
+        ),
+        (
+            Target::Outbox,
+            format!("INSERT INTO {s}.messages (destination, ordering_key, payload) VALUES ('bench', 'k' || :client_id, {payload});\n"),
+        ),
+        (
+            Target::OutboxNotify,
+            format!("INSERT INTO {s}.messages (destination, ordering_key, payload) VALUES ('bench', 'k' || :client_id, {payload});\n"),
+        ),
+        (
+            Target::Function,
+            format!("SELECT {s}.enqueue('bench', {payload}, key => 'k' || :client_id);\n"),
+        ),
+    ];
+    for (t, sql) in &scripts {
+        std::fs::write(dir.join(format!("{t:?}.sql")), sql)?;
+    }
+    let pg = db.config.clone();
+    let host = "127.0.0.1";
+    let port = pg.get_ports().first().copied().unwrap_or(5432);
+    let user = pg.get_user().unwrap_or("postgres").to_owned();
+    let dbname = pg.get_dbname().unwrap_or("postgres").to_owned();
+    let sv = db
+        .client
+        .query_one("SELECT current_setting('server_version'), current_setting('autovacuum'), current_setting('synchronous_commit')", &[])
+        .await?;
+    println!(
+        "postgres {} autovacuum={} synchronous_commit={}; {seconds}s per run, {rounds} rounds, 1 KiB rows, one row per transaction",
+        sv.get::<_, String>(0),
+        sv.get::<_, String>(1),
+        sv.get::<_, String>(2)
+    );
+
+    let reset = |notify: bool| {
+        let s = s.clone();
+        let client = &db.client;
+        async move {
+            client
+                .batch_execute(&format!(
+                    "TRUNCATE {s}.plain, {s}.messages; CHECKPOINT; ALTER TABLE {s}.messages {} TRIGGER messages_notify",
+                    if notify { "ENABLE" } else { "DISABLE" }
+                ))
+                .await
+        }
+    };
+
+    println!("\n-- plain SQL (pgbench) --");
+    println!(
+        "{:<26} {:>8} {:>10} {:>8}",
+        "target", "clients", "tps", "ratio"
+    );
+    for clients in CLIENTS {
+        let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
+        for _ in 0..rounds {
+            for (target, _) in &scripts {
+                reset(*target == Target::OutboxNotify).await?;
+                let out = tokio::process::Command::new("pgbench")
+                    .args(["-n", "-h", host, "-p", &port.to_string(), "-U", &user])
+                    .args([
+                        "-c",
+                        &clients.to_string(),
+                        "-j",
+                        &clients.min(2).to_string(),
+                    ])
+                    .args(["-T", &seconds.to_string(), "-f"])
+                    .arg(dir.join(format!("{target:?}.sql")))
+                    .arg(&dbname)
+                    .output()
+                    .await?;
+                let text = String::from_utf8_lossy(&out.stdout);
+                let value = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("tps = "))
+                    .and_then(|l| l.split_whitespace().next())
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "pgbench gave no tps: {text}{}",
+                            String::from_utf8_lossy(&out.stderr)
+                        )
+                    })?;
+                tps.entry(target.label()).or_default().push(value);
+            }
+        }
+        let targets: Vec<Target> = scripts.iter().map(|(t, _)| *t).collect();
+        print_ratios(&targets, clients, &tps);
+    }
+
+    println!("\n-- outbox-client (tokio-postgres) --");
+    println!(
+        "{:<26} {:>8} {:>10} {:>8}",
+        "target", "clients", "tps", "ratio"
+    );
+    for clients in CLIENTS {
+        let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
+        for _ in 0..rounds {
+            for target in [Target::Plain, Target::Outbox, Target::OutboxNotify] {
+                reset(target == Target::OutboxNotify).await?;
+                let v = client_run(&db, target, clients, Duration::from_secs(seconds)).await?;
+                tps.entry(target.label()).or_default().push(v);
+            }
+        }
+        print_ratios(
+            &[Target::Plain, Target::Outbox, Target::OutboxNotify],
+            clients,
+            &tps,
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    db.cleanup().await;
+    Ok(())
+}
+
+/// One line per target: median tps, its ratio to the plain table's median,
+/// and each round's ratio.
+fn print_ratios(
+    targets: &[Target],
+    clients: usize,
+    tps: &std::collections::HashMap<&str, Vec<f64>>,
+) {
+    let base = median(tps[Target::Plain.label()].clone());
+    for target in targets {
+        let v = &tps[target.label()];
+        println!(
+            "{:<26} {:>8} {:>10.0} {:>8.2}   rounds: {}",
+            target.label(),
+            clients,
+            median(v.clone()),
+            median(v.clone()) / base,
+            v.iter()
+                .map(|x| format!("{:.2}", x / base))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+}
+
+/// `clients` connections committing one row per transaction for `run`:
+/// `Outbox::enqueue`, or the same columns into the plain table.
+async fn client_run(
+    db: &TestDb,
+    target: Target,
+    clients: usize,
+    run: Duration,
+) -> anyhow::Result<f64> {
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let deadline = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let config = db.config.clone();
+        let outbox = db.outbox();
+        let plain = format!(
+            "INSERT INTO {}.plain (message_id, destination, ordering_key, routing_key, headers, payload, content_type) \
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::bytea[], $7::text[])",
+            db.schema.quoted()
+        );
+        let done = Arc::clone(&done);
+        tasks.push(tokio::spawn(async move {
+            let mut client = outbox_tests::db::connect(&config).await;
+            let message = Message::builder("bench")
+                .key(format!("k{c}"))
+                .payload(vec![b'x'; PAYLOAD])
+                .build()?;
+            while Instant::now() < deadline {
+                let tx = client.transaction().await?;
+                match target {
+                    Target::Plain => {
+                        let id = uuid::Uuid::now_v7();
+                        tx.execute(
+                            plain.as_str(),
+                            &[
+                                &vec![id],
+                                &vec!["bench"],
+                                &vec![Some(format!("k{c}"))],
+                                &vec![""],
+                                &vec![serde_json::json!({})],
+                                &vec![vec![b'x'; PAYLOAD]],
+                                &vec![Some("application/octet-stream")],
+                            ],
+                        )
+                        .await?;
+                    }
+                    _ => {
+                        outbox.enqueue(&tx, &message).await?;
+                    }
+                }
+                tx.commit().await?;
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(done.load(std::sync::atomic::Ordering::Relaxed) as f64 / run.as_secs_f64())
+}
+
+/// The sequence number a benchmark payload starts with.
+fn seq_of(payload: &[u8]) -> usize {
+    payload
+        .get(..12)
+        .and_then(|p| std::str::from_utf8(p).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(usize::MAX)
+}
+
+/// Commit-to-receipt latencies (ms), sorted, of the messages from sequence
+/// number `from` on that have arrived, on RabbitMQ (`rabbit`) or Kafka.
+fn latencies(
+    rabbit: &Option<Fixture>,
+    kafka: &Mutex<Vec<(usize, Instant)>>,
+    commits: &Mutex<Vec<Option<Instant>>>,
+    from: usize,
+) -> Vec<f64> {
+    let received: Vec<(usize, Instant)> = match rabbit {
+        Some(f) => f
+            .deliveries()
+            .iter()
+            .map(|d| (seq_of(&d.payload), d.received))
+            .collect(),
+        None => kafka.lock().expect("lock").clone(),
+    };
+    let commits = commits.lock().expect("lock");
+    let mut ms: Vec<f64> = received
+        .iter()
+        .filter(|(seq, _)| *seq >= from && *seq != usize::MAX)
+        .map(|(seq, at)| {
+            // A receipt before the writer saw its commit return counts as 0.
+            commits
+                .get(*seq)
+                .copied()
+                .flatten()
+                .map_or(0.0, |c| at.saturating_duration_since(c).as_secs_f64() * 1e3)
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms
+}
+
+/// The value at fraction `p` of sorted `sorted`.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+async fn latency(
+    rates: &[u64],
+    seconds: u64,
+    keys: usize,
+    notify: bool,
+    broker: &str,
+) -> anyhow::Result<()> {
+    let bin = release_relay_binary()?;
+    let db = TestDb::new().await;
+    outbox_client::set_notify(&db.client, db.schema.as_str(), notify).await?;
+    // Commit instants by sequence number, and (sequence, receipt) pairs.
+    let commits: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(Vec::new()));
+    let receipts: Arc<Mutex<Vec<(usize, Instant)>>> = Arc::new(Mutex::new(Vec::new()));
+    let mut env: Vec<(&str, String)> = vec![("OUTBOX_SCHEMA", db.schema.to_string())];
+    let mut rabbit = None;
+    let destination = match broker {
+        "kafka" => {
+            let brokers = outbox_tests::kafka_brokers();
+            let topic = outbox_tests::unique("benchwake");
+            outbox_tests::kafka::create_topic(&brokers, &topic, 3).await;
+            env.push(("OUTBOX_BROKER", "kafka".into()));
+            env.push(("OUTBOX_KAFKA_BROKERS", brokers.clone()));
+            let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("group.id", outbox_tests::unique("benchwake"))
+                .set("auto.offset.reset", "earliest")
+                .set("fetch.wait.max.ms", "5")
+                .create()?;
+            consumer.subscribe(&[topic.as_str()])?;
+            let receipts = Arc::clone(&receipts);
+            tokio::spawn(async move {
+                let mut stream = consumer.stream();
+                while let Some(Ok(m)) = stream.next().await {
+                    let seq = seq_of(m.payload().unwrap_or_default());
+                    receipts.lock().expect("lock").push((seq, Instant::now()));
+                }
+            });
+            topic
+        }
+        _ => {
+            let fixture = Fixture::new().await;
+            let exchange = fixture.exchange.clone();
+            rabbit = Some(fixture);
+            exchange
+        }
+    };
+    let mut relay = tokio::process::Command::new(&bin)
+        .arg("run")
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
+        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .env("OUTBOX_LOG", "warn")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    let pid = relay.id().unwrap_or(0);
+    // Idle: connected, partitions taken, nothing to do.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle_from = cpu_time_of(pid).unwrap_or_default();
+    let idle_for = Duration::from_secs(10);
+    tokio::time::sleep(idle_for).await;
+    let idle_cpu = cpu_time_of(pid).unwrap_or_default() - idle_from;
+    println!(
+        "broker={broker} relay {} with its defaults, NOTIFY {}, 1 KiB messages over {keys} keys, 16 writer connections, {seconds}s per rate",
+        bin.display(),
+        if notify { "on" } else { "off" }
+    );
+    println!(
+        "idle relay: {:.2}% of a core over {}s",
+        idle_cpu.as_secs_f64() / idle_for.as_secs_f64() * 100.0,
+        idle_for.as_secs()
+    );
+    println!(
+        "{:>8} {:>9} {:>9} {:>9} {:>9} {:>14}",
+        "rate/s", "sent", "p50 ms", "p99 ms", "max ms", "CPU s per 10k"
+    );
+    let mut next_seq = 0usize;
+    for &rate in rates {
+        let total = (rate * seconds) as usize;
+        commits.lock().expect("lock").resize(next_seq + total, None);
+        let cpu_from = cpu_time_of(pid).unwrap_or_default();
+        let writers = 16usize;
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for w in 0..writers {
+            let config = db.config.clone();
+            let outbox = db.outbox();
+            let destination = destination.clone();
+            let commits = Arc::clone(&commits);
+            let base = next_seq;
+            tasks.push(tokio::spawn(async move {
+                let mut client = outbox_tests::db::connect(&config).await;
+                // Writer w sends sequence numbers w, w + writers, ...; the
+                // i-th of all is due at started + i / rate.
+                let mut i = w;
+                while i < total {
+                    let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+                    tokio::time::sleep_until(due.into()).await;
+                    let seq = base + i;
+                    let mut payload = format!("{seq:>12}").into_bytes();
+                    payload.resize(PAYLOAD, b'x');
+                    let m = Message::builder(destination.as_str())
+                        .key(format!("k{}", seq % keys))
+                        .payload(payload)
+                        .build()?;
+                    let tx = client.transaction().await?;
+                    outbox.enqueue(&tx, &m).await?;
+                    tx.commit().await?;
+                    commits.lock().expect("lock")[seq] = Some(Instant::now());
+                    i += writers;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let wrote = started.elapsed();
+        let wait_until = Instant::now() + Duration::from_secs(60);
+        while latencies(&rabbit, &receipts, &commits, next_seq).len() < total
+            && Instant::now() < wait_until
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let cpu = cpu_time_of(pid).unwrap_or_default() - cpu_from;
+        let l = latencies(&rabbit, &receipts, &commits, next_seq);
+        println!(
+            "{:>8} {:>9} {:>9.1} {:>9.1} {:>9.1} {:>14.2}   (writers kept {:.0}/s; {} received)",
+            rate,
+            total,
+            percentile(&l, 0.5),
+            percentile(&l, 0.99),
+            l.last().copied().unwrap_or(f64::NAN),
+            cpu.as_secs_f64() / total as f64 * 10_000.0,
+            total as f64 / wrote.as_secs_f64(),
+            l.len()
+        );
+        next_seq += total;
+    }
+    println!(
+        "relay peak RSS: {:.1} MiB",
+        peak_rss_kib(pid).unwrap_or(0) as f64 / 1024.0
+    );
+    relay.kill().await?;
+    if let Some(f) = rabbit {
+        f.cleanup().await;
+    }
+    db.cleanup().await;
+    Ok(())
+}
