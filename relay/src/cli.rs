@@ -62,6 +62,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let client = connect(&db).await?;
             let v = ops::status(&client, &db.schema).await?;
             print_out(&v, json, ops::status_text);
+            // A health check in a script: exit 1, after the report, when no
+            // relay is running on this schema (nothing will publish).
+            if v["replicas"].as_array().is_none_or(|r| r.is_empty()) {
+                anyhow::bail!("no relay replica is running on schema {}", db.schema);
+            }
         }
         Command::Locate { db, id, json } => {
             let mut client = connect(&db).await?;

@@ -280,6 +280,17 @@ async fn cli_lists_shows_discards_and_rejects_bad_arguments() {
         out.contains("unknown") && err.contains(&nowhere),
         "{out}{err}"
     );
+    // No relay running on a migrated schema: the report, then exit 1.
+    let idle = TestDb::new().await;
+    let (code, out, err) = cli(&idle, &["status"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("replicas (0 of 64 partitions owned)"), "{out}");
+    assert!(err.contains("no relay replica is running"), "{err}");
+    let (code, out, _) = cli(&idle, &["status", "--json"]).await;
+    assert_eq!(code, 1);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("the json report still comes");
+    assert_eq!(v["replicas"], serde_json::json!([]), "{v}");
+    idle.cleanup().await;
     // A schema never migrated: say which command fixes it.
     let never = outbox_tests::unique("never");
     for args in [
@@ -418,8 +429,10 @@ async fn retention_keeps_published_rows_with_amqp_receipts() {
         out.contains("published to") && out.contains("rabbitmq confirm ack"),
         "{out}"
     );
+    // The relay has stopped: the report still comes, and the exit code says
+    // that nothing is running.
     let (code, out, _) = cli(&db, &["status", "--json"]).await;
-    assert_eq!(code, 0);
+    assert_eq!(code, 1);
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert_eq!(v["published_retained"]["count"], 500, "{v}");
     let (_, out, _) = cli(&db, &["status"]).await;
