@@ -743,6 +743,52 @@ pub async fn locate(
         ),
         Err(e) => return Err(e.into()),
     };
+    // What holds a waiting message back, when something does: its
+    // destination is paused, or an older message of its key is a dead
+    // letter (the key is parked until that one is retried or discarded).
+    let found = match found {
+        Some(mut v) if v["seq"].is_i64() => {
+            let seq = v["seq"].as_i64().unwrap_or(0);
+            let destination = v["destination"].as_str().unwrap_or("").to_owned();
+            let key = v["key"].as_str().map(str::to_owned);
+            let paused = tx
+                .query_opt(
+                    &format!("SELECT paused_at, reason FROM {s}.paused_destinations WHERE destination = $1"),
+                    &[&destination],
+                )
+                .await?;
+            let blocker = match &key {
+                Some(k) => tx
+                    .query_opt(
+                        &format!(
+                            "SELECT message_id::text FROM {s}.dead_letters \
+                             WHERE ordering_key = $1 AND seq < $2 ORDER BY seq LIMIT 1"
+                        ),
+                        &[k, &seq],
+                    )
+                    .await?
+                    .map(|r| r.get::<_, String>(0)),
+                None => None,
+            };
+            if let Some(p) = paused {
+                v["state"] = json!("paused");
+                v["why"] = json!(format!(
+                    "its destination is paused{} (outbox-relay resume {destination:?})",
+                    p.get::<_, Option<String>>(1)
+                        .map(|r| format!(": {r}"))
+                        .unwrap_or_default()
+                ));
+            } else if let Some(dead) = blocker {
+                v["state"] = json!("parked");
+                v["behind_dead_letter"] = json!(dead);
+                v["why"] = json!(format!(
+                    "parked behind dead letter {dead} of its key (outbox-relay dead-letters retry|discard --id {dead})"
+                ));
+            }
+            Some(v)
+        }
+        other => other,
+    };
     drop(tx);
     if let Some(v) = found {
         return Ok(with_id(v, id));
@@ -831,18 +877,24 @@ fn with_id(mut v: serde_json::Value, id: Uuid) -> serde_json::Value {
 pub fn locate_text(v: &serde_json::Value) -> String {
     let id = v["message_id"].as_str().unwrap_or("");
     match v["state"].as_str() {
-        Some("pending") | Some("retrying") | Some("held") => format!(
-            "{id}: {} to {:?} (key {}), {} failed attempts{}; written {} ago\n",
-            v["state"].as_str().unwrap_or(""),
-            v["destination"].as_str().unwrap_or(""),
-            v["key"].as_str().unwrap_or("-"),
-            v["attempts"],
-            v["last_error"]
-                .as_str()
-                .map(|e| format!(", last error: {e}"))
-                .unwrap_or_default(),
-            human_age(v["age_s"].as_f64()),
-        ),
+        Some("pending") | Some("retrying") | Some("held") | Some("parked") | Some("paused") => {
+            format!(
+                "{id}: {} to {:?} (key {}), {} failed attempts{}; written {} ago{}\n",
+                v["state"].as_str().unwrap_or(""),
+                v["destination"].as_str().unwrap_or(""),
+                v["key"].as_str().unwrap_or("-"),
+                v["attempts"],
+                v["last_error"]
+                    .as_str()
+                    .map(|e| format!(", last error: {e}"))
+                    .unwrap_or_default(),
+                human_age(v["age_s"].as_f64()),
+                v["why"]
+                    .as_str()
+                    .map(|w| format!("; {w}"))
+                    .unwrap_or_default(),
+            )
+        }
         Some("in_flight") => format!("{id}: in flight: {}\n", v["why"].as_str().unwrap_or("")),
         Some("dead_lettered") => format!(
             "{id}: dead-lettered {} ago after {} attempts: {}\n",

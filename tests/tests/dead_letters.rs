@@ -159,6 +159,17 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
         eventually(PATIENCE, || async { rabbit.count() >= 50 }).await,
         "other keys blocked"
     );
+    // `locate` names what a later message of the key waits for.
+    let (code, out, _) = cli(db, &["locate", &later[0].to_string(), "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "parked", "{v}");
+    assert_eq!(v["behind_dead_letter"], first.to_string(), "{v}");
+    let (_, human, _) = cli(db, &["locate", &later[0].to_string()]).await;
+    assert!(
+        human.contains("parked behind dead letter") && human.contains(&first.to_string()),
+        "{human}"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let ids: Vec<String> = rabbit
         .deliveries()

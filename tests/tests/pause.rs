@@ -148,6 +148,30 @@ async fn a_paused_destination_waits_on_every_replica_and_resumes_in_key_order() 
     assert_eq!(paused["reason"], "consumer fix");
     assert!(paused["waiting"].as_i64().unwrap_or(0) > 0, "{status}");
     assert!(paused["paused_at"].as_str().is_some(), "{status}");
+    // `locate` says why one of them waits.
+    let waiting: uuid::Uuid = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT message_id FROM {} WHERE destination = $1 ORDER BY seq LIMIT 1",
+                db.table()
+            ),
+            &[&a.exchange],
+        )
+        .await
+        .expect("a waiting message")
+        .get(0);
+    let (code, out, _) = cli(&db, &["locate", &waiting.to_string(), "--json"]).await;
+    assert_eq!(code, Some(0));
+    let located: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(located["state"], "paused", "{located}");
+    assert!(
+        located["why"]
+            .as_str()
+            .unwrap_or("")
+            .contains("consumer fix"),
+        "{located}"
+    );
 
     // A relay restarted while paused still honours it.
     for relay in relays {
