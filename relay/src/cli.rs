@@ -53,7 +53,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             tokio::spawn(on_signal(shutdown.clone()));
             crate::run(config, shutdown).await?;
         }
-        Command::Migrate(db) => {
+        Command::Migrate(args) => {
+            let db = &args.db;
+            crate::source::wait_for_postgres(&db.database()?, args.wait)
+                .await
+                .map_err(crate::Error::from)?;
             crate::migrate(&db.database()?, &db.schema).await?;
             println!("schema {} is up to date", db.schema);
         }

@@ -43,7 +43,7 @@ pub enum Command {
     /// Relay committed outbox rows to the broker until SIGTERM or Ctrl-C.
     Run(Box<RunArgs>),
     /// Create the outbox schema or bring it up to date (safe to run concurrently).
-    Migrate(DbArgs),
+    Migrate(MigrateArgs),
     /// Show the whole path working against the local Postgres and RabbitMQ.
     Demo(DemoArgs),
     /// Backlog, retries, dead letters, parked keys, replicas and their
@@ -515,6 +515,20 @@ pub enum DeadLetterOrder {
     Park,
     /// Let them go ahead.
     Skip,
+}
+
+/// Flags of `outbox-relay migrate`.
+#[derive(Debug, clap::Args)]
+pub struct MigrateArgs {
+    /// Database to migrate.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// How long to wait for Postgres to accept connections (a database
+    /// starting beside the relay, as in compose or a Kubernetes Job). Only an
+    /// unreachable or starting server is waited for; a wrong password, user or
+    /// database fails at once.
+    #[arg(long, env = "OUTBOX_MIGRATE_WAIT", default_value = "60s", value_parser = parse_duration)]
+    pub wait: Duration,
 }
 
 /// Flags of `outbox-relay demo`.

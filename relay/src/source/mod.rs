@@ -78,6 +78,41 @@ impl std::fmt::Display for PgError<'_> {
 /// (half the hold limit) stops a claim or settle that hangs on the server,
 /// and TCP keepalives with `tcp_user_timeout` (also half) end a connection
 /// whose peer vanished, which the kernel would otherwise keep for two hours.
+/// Waits up to `wait` for Postgres at `db` to accept a connection, saying so
+/// once. Only errors that a server coming up gives are waited out (no
+/// answer, connection refused, "the database system is starting up"); any
+/// other (authentication, an unknown database) is returned at once.
+pub async fn wait_for_postgres(db: &Database, wait: Duration) -> Result<(), tokio_postgres::Error> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
+    let mut said = false;
+    loop {
+        match db.connect_spawned().await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                let starting = match e.code() {
+                    None => true,
+                    Some(code) => *code == tokio_postgres::error::SqlState::CANNOT_CONNECT_NOW,
+                };
+                if !starting || tokio::time::Instant::now() >= deadline {
+                    return Err(e);
+                }
+                if !said {
+                    tracing::warn!(error = %PgError(&e), ?wait, "waiting for postgres");
+                    said = true;
+                }
+                tokio::time::sleep(
+                    backoff
+                        .next_delay()
+                        .min(deadline - tokio::time::Instant::now()),
+                )
+                .await;
+            }
+        }
+    }
+}
+
 pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, tokio_postgres::Error> {
     let half = hold_limit / 2;
     let client = db.with_dead_peer_bound(half).connect_spawned().await?;
