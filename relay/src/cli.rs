@@ -93,12 +93,13 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     let v = ops::dead_letters(&client, &db.schema, &filter, limit).await?;
                     print_out(&v, json, |v| ops::dead_letters_text(v, false));
                 }
-                DeadLetterAction::Show { id, json } => {
+                DeadLetterAction::Show { id, json, payload } => {
                     let filter = ops::Filter {
                         id: Some(id),
                         ..ops::Filter::default()
                     };
-                    let v = ops::dead_letters(&client, &db.schema, &filter, 1).await?;
+                    let v =
+                        ops::dead_letters_with(&client, &db.schema, &filter, 1, payload).await?;
                     if v.as_array().is_none_or(|a| a.is_empty()) {
                         anyhow::bail!("no dead letter with message id {id}");
                     }

@@ -130,6 +130,10 @@ pub enum DeadLetterAction {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Include the payload: as text when it is UTF-8, else as hex (the
+        /// JSON says which in `payload.encoding`).
+        #[arg(long)]
+        payload: bool,
     },
     /// Return dead letters to the outbox in their original order; unparks their keys.
     Retry {

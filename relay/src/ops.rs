@@ -441,11 +441,53 @@ struct DeadLetter {
     routing_key: String,
     attempts: i32,
     last_error: String,
+    created_at: String,
     created_age_s: Option<f64>,
+    dead_at: String,
     dead_age_s: Option<f64>,
     payload_bytes: usize,
     content_type: Option<String>,
+    event_type: Option<String>,
     headers: serde_json::Value,
+    /// The payload, only when asked for (`dead-letters show --payload`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload: Option<Payload>,
+}
+
+/// A payload as text when it is UTF-8, else as hex.
+#[derive(Debug, Serialize)]
+struct Payload {
+    encoding: &'static str,
+    data: String,
+}
+
+impl Payload {
+    fn of(bytes: &[u8]) -> Payload {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Payload {
+                encoding: "utf-8",
+                data: text.to_owned(),
+            },
+            Err(_) => Payload {
+                encoding: "hex",
+                data: bytes.iter().map(|b| format!("{b:02x}")).collect(),
+            },
+        }
+    }
+}
+
+/// `t` as RFC 3339 in UTC, for JSON beside the ages.
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_micros(t).to_string()
+}
+
+/// A destination as an operator reads it: AMQP's default exchange has no name.
+fn destination_name(d: &str) -> &str {
+    if d.is_empty() {
+        "(default exchange)"
+    } else {
+        d
+    }
 }
 
 /// Dead letters matching `filter`, oldest seq first.
@@ -455,6 +497,17 @@ pub async fn dead_letters(
     filter: &Filter,
     limit: i64,
 ) -> Result<serde_json::Value, OpsError> {
+    dead_letters_with(client, schema, filter, limit, false).await
+}
+
+/// [`dead_letters`], with each one's payload when `payload` is set.
+pub async fn dead_letters_with(
+    client: &Client,
+    schema: &SchemaName,
+    filter: &Filter,
+    limit: i64,
+    payload: bool,
+) -> Result<serde_json::Value, OpsError> {
     let (wher, params) = filter.sql();
     let mut refs = as_refs(&params);
     refs.push(&limit);
@@ -462,7 +515,8 @@ pub async fn dead_letters(
         .query(
             &format!(
                 "SELECT message_id, seq, destination, ordering_key, routing_key, attempts, last_error, \
-                        created_at, dead_at, length(payload), content_type, headers \
+                        created_at, dead_at, length(payload), content_type, headers, event_type, \
+                        CASE WHEN {payload} THEN payload END \
                  FROM {}.dead_letters WHERE {wher} ORDER BY seq LIMIT ${}",
                 schema.quoted(),
                 refs.len()
@@ -480,11 +534,15 @@ pub async fn dead_letters(
             routing_key: r.get(4),
             attempts: r.get(5),
             last_error: r.get(6),
+            created_at: rfc3339(r.get(7)),
             created_age_s: age_secs(r.get(7)),
+            dead_at: rfc3339(r.get(8)),
             dead_age_s: age_secs(r.get(8)),
             payload_bytes: usize::try_from(r.get::<_, i32>(9)).unwrap_or(0),
             content_type: r.get(10),
             headers: r.get(11),
+            event_type: r.get(12),
+            payload: r.get::<_, Option<&[u8]>>(13).map(Payload::of),
         })
         .collect();
     Ok(serde_json::to_value(list).unwrap_or_default())
@@ -503,7 +561,7 @@ pub fn dead_letters_text(v: &serde_json::Value, detailed: bool) -> String {
             &format!(
                 "{}  {}  key={}  attempts={}  dead {} ago  error: {}",
                 d["message_id"].as_str().unwrap_or(""),
-                d["destination"].as_str().unwrap_or(""),
+                destination_name(d["destination"].as_str().unwrap_or("")),
                 d["key"].as_str().unwrap_or("-"),
                 d["attempts"],
                 human_age(d["dead_age_s"].as_f64()),
@@ -523,6 +581,16 @@ pub fn dead_letters_text(v: &serde_json::Value, detailed: bool) -> String {
                     d["headers"]
                 ),
             );
+            if let Some(p) = d["payload"].as_object() {
+                let _ = writeln_str(
+                    &mut o,
+                    &format!(
+                        "    payload ({}): {}",
+                        p["encoding"].as_str().unwrap_or(""),
+                        p["data"].as_str().unwrap_or("")
+                    ),
+                );
+            }
         }
     }
     o
@@ -911,5 +979,20 @@ pub fn locate_text(v: &serde_json::Value) -> String {
             receipt_text(&v["receipt"]),
         ),
         _ => format!("{id}: unknown: {}\n", v["why"].as_str().unwrap_or("")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_show_as_text_when_utf8_else_as_hex() {
+        let p = Payload::of("é {}".as_bytes());
+        assert_eq!((p.encoding, p.data.as_str()), ("utf-8", "é {}"));
+        let p = Payload::of(&[0xff, 0x00, 0x10]);
+        assert_eq!((p.encoding, p.data.as_str()), ("hex", "ff0010"));
+        assert_eq!(destination_name(""), "(default exchange)");
+        assert_eq!(destination_name("orders"), "orders");
     }
 }

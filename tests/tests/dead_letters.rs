@@ -279,6 +279,37 @@ async fn cli_lists_shows_discards_and_rejects_bad_arguments() {
         out.contains("payload 1 bytes") && out.contains("attempts=3"),
         "{out}"
     );
+    // The payload only when asked for; timestamps absolute as well as ages.
+    let (code, out, _) = cli(&db, &["dead-letters", "show", &id.to_string(), "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert!(v.get("payload").is_none(), "{v}");
+    let dead_at = v["dead_at"].as_str().unwrap_or("");
+    assert!(
+        dead_at.ends_with('Z') && humantime::parse_rfc3339(dead_at).is_ok(),
+        "{v}"
+    );
+    assert!(
+        v["created_at"].as_str().is_some_and(|t| t <= dead_at),
+        "{v}"
+    );
+    let (code, out, _) = cli(
+        &db,
+        &[
+            "dead-letters",
+            "show",
+            &id.to_string(),
+            "--payload",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["payload"]["encoding"], "utf-8", "{v}");
+    assert_eq!(v["payload"]["data"], "7", "the enqueued JSON payload: {v}");
+    let (_, out, _) = cli(&db, &["dead-letters", "show", &id.to_string(), "--payload"]).await;
+    assert!(out.contains("payload (utf-8): 7"), "{out}");
     let (code, out, _) = cli(&db, &["locate", &id.to_string()]).await;
     assert_eq!(code, 0);
     assert!(out.contains("dead-lettered"), "{out}");
