@@ -42,6 +42,18 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// The median of `v` (the mean of the middle two for an even count), for
+/// benchmarks that report the middle of several rounds.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[mid - 1] + v[mid]) / 2.0
+    } else {
+        v[mid]
+    }
+}
+
 /// The seed for a test's random mix: `OUTBOX_TEST_SEED` to replay one, else
 /// a fresh one. Printed, so a failure's output says how to replay it.
 pub fn seed() -> u64 {

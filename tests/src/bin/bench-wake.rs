@@ -77,16 +77,6 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    if v.len().is_multiple_of(2) {
-        (v[mid - 1] + v[mid]) / 2.0
-    } else {
-        v[mid]
-    }
-}
-
 /// What a writer commits into, each transaction one row.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Target {
@@ -168,11 +158,7 @@ async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
         }
     };
 
-    println!("\n-- plain SQL (pgbench) --");
-    println!(
-        "{:<26} {:>8} {:>10} {:>8}",
-        "target", "clients", "tps", "ratio"
-    );
+    print_header("plain SQL (pgbench)");
     for clients in CLIENTS {
         let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
         for _ in 0..rounds {
@@ -210,11 +196,7 @@ async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
         print_ratios(&targets, clients, &tps);
     }
 
-    println!("\n-- outbox-client (tokio-postgres) --");
-    println!(
-        "{:<26} {:>8} {:>10} {:>8}",
-        "target", "clients", "tps", "ratio"
-    );
+    print_header("outbox-client (tokio-postgres)");
     for clients in CLIENTS {
         let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
         for _ in 0..rounds {
@@ -235,6 +217,14 @@ async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn print_header(title: &str) {
+    println!("\n-- {title} --");
+    println!(
+        "{:<26} {:>8} {:>10} {:>8}",
+        "target", "clients", "tps", "ratio"
+    );
+}
+
 /// One line per target: median tps, its ratio to the plain table's median,
 /// and each round's ratio.
 fn print_ratios(
@@ -242,15 +232,15 @@ fn print_ratios(
     clients: usize,
     tps: &std::collections::HashMap<&str, Vec<f64>>,
 ) {
-    let base = median(tps[Target::Plain.label()].clone());
+    let base = outbox_tests::median(tps[Target::Plain.label()].clone());
     for target in targets {
         let v = &tps[target.label()];
         println!(
             "{:<26} {:>8} {:>10.0} {:>8.2}   rounds: {}",
             target.label(),
             clients,
-            median(v.clone()),
-            median(v.clone()) / base,
+            outbox_tests::median(v.clone()),
+            outbox_tests::median(v.clone()) / base,
             v.iter()
                 .map(|x| format!("{:.2}", x / base))
                 .collect::<Vec<_>>()

@@ -356,9 +356,9 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
         );
         rounds.push((raw, drain));
     }
-    let raw = median(rounds.iter().map(|r| r.0).collect());
-    let drain = median(rounds.iter().map(|r| r.1).collect());
-    let ratio = median(rounds.iter().map(|r| r.1 / r.0).collect());
+    let raw = outbox_tests::median(rounds.iter().map(|r| r.0).collect());
+    let drain = outbox_tests::median(rounds.iter().map(|r| r.1).collect());
+    let ratio = outbox_tests::median(rounds.iter().map(|r| r.1 / r.0).collect());
 
     // 1b. The relay's own publisher, fed from memory: the relay's broker-side
     // cost without Postgres, to tell the two apart.
@@ -543,16 +543,6 @@ async fn shape(ch: &lapin::Channel, queue: &str) -> anyhow::Result<String> {
         },
         p.headers().as_ref().map(|h| h.inner().len()),
     ))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    if v.len().is_multiple_of(2) {
-        (v[mid - 1] + v[mid]) / 2.0
-    } else {
-        v[mid]
-    }
 }
 
 /// Drains one backlog with a relay process and returns (seconds, peak RSS KiB).
