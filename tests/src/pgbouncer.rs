@@ -35,6 +35,22 @@ impl PgBouncer {
     /// Starts PgBouncer with `pool_mode` ("transaction", "session",
     /// "statement") in front of 127.0.0.1:5432.
     pub async fn start(pool_mode: &str) -> PgBouncer {
+        // A port found free can be taken by someone else (another suite's
+        // pooler or relay) before PgBouncer binds it; PgBouncer then exits,
+        // and a probe of the port would reach the other listener. So the
+        // pooler counts as up only when its own log says it listens on the
+        // port and it is still running; otherwise try another port.
+        let mut last = String::new();
+        for _ in 0..5 {
+            match Self::try_start(pool_mode).await {
+                Ok(bouncer) => return bouncer,
+                Err(log) => last = log,
+            }
+        }
+        panic!("pgbouncer did not start: {last}");
+    }
+
+    async fn try_start(pool_mode: &str) -> Result<PgBouncer, String> {
         let port = free_port();
         let dir = std::env::temp_dir().join(crate::unique("pgbouncer"));
         std::fs::create_dir_all(&dir).expect("pgbouncer dir");
@@ -83,15 +99,23 @@ impl PgBouncer {
             .kill_on_drop(true)
             .spawn()
             .expect("spawn pgbouncer");
-        let bouncer = PgBouncer { port, dir, child };
-        let up = crate::eventually(Duration::from_secs(20), || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        })
-        .await;
-        assert!(up, "pgbouncer did not start: {}", bouncer.log());
-        bouncer
+        let mut bouncer = PgBouncer { port, dir, child };
+        let listening = format!("listening on 127.0.0.1:{port}");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while tokio::time::Instant::now() < deadline {
+            if !matches!(bouncer.child.try_wait(), Ok(None)) {
+                break; // exited: the port was taken, or a bad config
+            }
+            if bouncer.log().contains(&listening)
+                && tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            {
+                return Ok(bouncer);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(bouncer.log())
     }
 
     /// A connection string for database `db` through the pooler.
