@@ -76,7 +76,10 @@ async fn listen_once(
         return Err(e.into());
     }
     tracing::debug!(channel, "listening");
-    // Catch up on whatever was committed while we were not listening.
+    // Catch up on whatever was committed while we were not listening: every
+    // waiting worker, since notifications for any partition may have been
+    // missed (and one permit for a worker not waiting yet).
+    wake.notify_waiters();
     wake.notify_one();
 
     // A quiet connection can die without an error (server restarted, NAT dropped
