@@ -45,6 +45,39 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// GETs `path` from the relay's HTTP endpoint over plain HTTP/1.0; Ok with
+/// the body's first line when it answers 200.
+async fn ask_http(mut addr: std::net::SocketAddr, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("no relay answers on {addr}: {e}"))?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut reply = Vec::new();
+    // Health bodies are one line; cap what a stranger on the port can send.
+    (&mut stream)
+        .take(64 * 1024)
+        .read_to_end(&mut reply)
+        .await?;
+    let reply = String::from_utf8_lossy(&reply);
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
+    let status = head.lines().next().unwrap_or("");
+    let body = body.lines().next().unwrap_or("").trim().to_owned();
+    if status.split_whitespace().nth(1) == Some("200") {
+        Ok(body)
+    } else {
+        anyhow::bail!("{path} on {addr}: {status}: {body}")
+    }
+}
+
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Run(args) => {
@@ -62,6 +95,26 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             println!("schema {} is up to date", db.schema);
         }
         Command::Demo(args) => crate::demo::run(args).await?,
+        Command::Healthcheck {
+            http_addr,
+            ready,
+            timeout,
+        } => {
+            let Some(addr) = http_addr.0 else {
+                return Err(crate::config::ConfigError {
+                    flag: "--http-addr",
+                    reason: "is off: the relay serves no health endpoint to ask".into(),
+                }
+                .into());
+            };
+            let path = if ready { "/readyz" } else { "/healthz" };
+            let answer = tokio::time::timeout(timeout, ask_http(addr, path))
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!("{path} on {addr} did not answer within {timeout:?}")
+                })??;
+            println!("{path}: {answer}");
+        }
         Command::Status { db, json } => {
             let client = connect(&db).await?;
             let v = ops::status(&client, &db.schema).await?;

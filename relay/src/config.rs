@@ -97,6 +97,21 @@ pub enum Command {
         /// The destination.
         destination: String,
     },
+    /// Ask the relay on this host whether it works: exit 0 when /healthz (or,
+    /// with --ready, /readyz) answers 200, 1 otherwise. For a container
+    /// HEALTHCHECK in an image without curl.
+    Healthcheck {
+        /// The relay's --http-addr; an unspecified address (0.0.0.0, ::) is
+        /// asked on loopback.
+        #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9839", value_parser = parse_http_addr)]
+        http_addr: HttpAddr,
+        /// Ask /readyz instead of /healthz.
+        #[arg(long)]
+        ready: bool,
+        /// Longest wait for the answer.
+        #[arg(long, default_value = "3s", value_parser = parse_duration)]
+        timeout: Duration,
+    },
     /// Switch the insert trigger's NOTIFY on or off (polling still finds rows).
     Notify {
         /// Database to change.
@@ -259,7 +274,10 @@ fn parse_bytes(s: &str) -> Result<i64, String> {
 /// Where the outbox lives.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// Postgres URL or key=value connection string. For TLS add
+    /// Postgres URL or key=value connection string. `run` waits for a
+    /// Postgres that is down, restarting or out of connections; one that
+    /// refuses the password, user or database stops it at start-up with the
+    /// server's message (once running, every error is retried). For TLS add
     /// `sslmode=verify-full` (or `require`; either way the certificate and host
     /// name are verified) and `sslrootcert=<ca.pem>` unless the system's roots
     /// apply.
@@ -268,14 +286,15 @@ pub struct DbArgs {
         env = "OUTBOX_DATABASE_URL",
         hide_env_values = true,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        value_parser = parse_pg_url
+        value_parser = parse_pg_url,
+        global = true
     )]
     pub database_url: SecretUrl,
     /// Read the Postgres URL from this file instead (e.g. a mounted secret).
-    #[arg(long, env = "OUTBOX_DATABASE_URL_FILE")]
+    #[arg(long, env = "OUTBOX_DATABASE_URL_FILE", global = true)]
     pub database_url_file: Option<PathBuf>,
     /// Schema holding the outbox tables; lets several outboxes share a database.
-    #[arg(long, env = "OUTBOX_SCHEMA", default_value = SchemaName::DEFAULT, value_parser = parse_schema)]
+    #[arg(long, env = "OUTBOX_SCHEMA", default_value = SchemaName::DEFAULT, value_parser = parse_schema, global = true)]
     pub schema: SchemaName,
 }
 
@@ -373,6 +392,58 @@ fn parse_kafka_property(s: &str) -> Result<KafkaProperty, String> {
     }
 }
 
+/// Splits `--kafka-config` values into properties: at newlines, and at a
+/// comma when the text after it holds an `=` before the next comma (a value
+/// may itself be a comma-separated list, like `ssl.cipher.suites`).
+fn split_kafka_properties(values: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in values.iter().flat_map(|v| v.lines()) {
+        let mut current = String::new();
+        for piece in line.split(',') {
+            if piece.trim().is_empty() {
+                continue;
+            }
+            let starts_property = piece.contains('=');
+            if !current.is_empty() && !starts_property {
+                current.push(',');
+                current.push_str(piece);
+                continue;
+            }
+            if !current.trim().is_empty() {
+                out.push(std::mem::take(&mut current));
+            }
+            current = piece.to_owned();
+        }
+        if !current.trim().is_empty() {
+            out.push(current);
+        }
+    }
+    out
+}
+
+/// Reads `--kafka-config-file`: key=value lines, blank lines and `#`
+/// comments ignored. Errors name the line, never its text.
+fn read_kafka_config_file(path: &PathBuf) -> Result<Vec<(String, String)>, ConfigError> {
+    const FLAG: &str = "--kafka-config-file";
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        flag: FLAG,
+        reason: format!("cannot read {}: {e}", path.display()),
+    })?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let p = parse_kafka_property(line).map_err(|reason| ConfigError {
+            flag: FLAG,
+            reason: format!("{} line {}: {reason}", path.display(), n + 1),
+        })?;
+        out.push((p.0, p.1));
+    }
+    Ok(out)
+}
+
 /// Flags of `outbox-relay run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -402,19 +473,26 @@ pub struct RunArgs {
     /// Kafka bootstrap servers (host:port, comma-separated).
     #[arg(long, env = "OUTBOX_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub kafka_brokers: String,
-    /// Any librdkafka producer property, as key=value; repeatable. In the env
-    /// var, separate several with commas. Applied last, so it overrides the
-    /// relay's defaults (SASL, TLS, compression, linger, ...). Values of
-    /// password/secret properties are never logged.
+    /// Any librdkafka producer property, as key=value; repeatable. Several
+    /// may share one value (or the env var), separated by newlines or commas;
+    /// a comma starts a new property only when the text after it has an `=`
+    /// before the next comma, so `ssl.cipher.suites=A,B,linger.ms=5` is two
+    /// properties. Applied last, so it overrides the relay's defaults (SASL,
+    /// TLS, compression, linger, ...). Values of password/secret properties
+    /// are never logged.
     // Parsed in into_config, not by clap: clap's error would echo the raw
     // value, which may be a secret.
     #[arg(
         long = "kafka-config",
         env = "OUTBOX_KAFKA_CONFIG",
-        hide_env_values = true,
-        value_delimiter = ','
+        hide_env_values = true
     )]
     pub kafka_config: Vec<String>,
+    /// A file of librdkafka properties, one key=value per line (`#` starts a
+    /// comment): the place for secrets such as `sasl.password`, mounted from
+    /// a secret store. Applied after --kafka-config.
+    #[arg(long, env = "OUTBOX_KAFKA_CONFIG_FILE")]
+    pub kafka_config_file: Option<PathBuf>,
     /// Rows per batch. 500 keeps a batch's confirms within tens of milliseconds
     /// while amortizing the claim and delete round trips.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
@@ -619,19 +697,22 @@ impl RunArgs {
         };
         // Validated whichever broker is chosen, so a typo never waits for the
         // day someone switches to Kafka.
-        let kafka_properties: Vec<(String, String)> = self
-            .kafka_config
-            .iter()
-            .enumerate()
-            .map(|(i, raw)| {
-                parse_kafka_property(raw)
-                    .map(|p| (p.0, p.1))
-                    .map_err(|reason| ConfigError {
-                        flag: "--kafka-config",
-                        reason: format!("entry {}: {reason}", i + 1),
-                    })
-            })
-            .collect::<Result<_, _>>()?;
+        let mut kafka_properties: Vec<(String, String)> =
+            split_kafka_properties(&self.kafka_config)
+                .iter()
+                .enumerate()
+                .map(|(i, raw)| {
+                    parse_kafka_property(raw)
+                        .map(|p| (p.0, p.1))
+                        .map_err(|reason| ConfigError {
+                            flag: "--kafka-config",
+                            reason: format!("entry {}: {reason}", i + 1),
+                        })
+                })
+                .collect::<Result<_, _>>()?;
+        if let Some(path) = &self.kafka_config_file {
+            kafka_properties.extend(read_kafka_config_file(path)?);
+        }
         let broker = match self.broker {
             BrokerKind::Amqp => Broker::Amqp(crate::publish::amqp::AmqpSettings {
                 url: amqp_url.expose().to_owned(),
@@ -810,6 +891,96 @@ mod kafka_tests {
         assert_eq!(err.flag, "--kafka-config");
         assert!(err.to_string().contains("entry 2"), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn a_comma_inside_a_value_stays_in_the_value() {
+        let split = split_kafka_properties(&[
+            "ssl.cipher.suites=ECDHE-RSA-AES128-GCM-SHA256,ECDHE-RSA-AES256-GCM-SHA384,linger.ms=5"
+                .to_owned(),
+            "compression.type=lz4\nclient.id=relay,".to_owned(),
+        ]);
+        assert_eq!(
+            split,
+            [
+                "ssl.cipher.suites=ECDHE-RSA-AES128-GCM-SHA256,ECDHE-RSA-AES256-GCM-SHA384",
+                "linger.ms=5",
+                "compression.type=lz4",
+                "client.id=relay",
+            ]
+        );
+    }
+
+    fn run_args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec!["outbox-relay", "run", "--broker", "kafka"];
+        argv.extend_from_slice(extra);
+        match Cli::try_parse_from(argv) {
+            Ok(Cli {
+                command: Command::Run(args),
+                ..
+            }) => *args,
+            other => panic!("flags parse: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_kafka_config_file_supplies_secrets_after_the_flags() {
+        let dir = std::env::temp_dir().join(format!("kafka-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("kafka.properties");
+        std::fs::write(
+            &file,
+            "# mounted secret\n\nsasl.username=relay\nsasl.password=s3cret-sentinel\n",
+        )
+        .expect("write");
+        let path = file.to_str().expect("utf-8 path");
+        let config = run_args(&[
+            "--kafka-config",
+            "sasl.mechanism=PLAIN",
+            "--kafka-config-file",
+            path,
+        ])
+        .into_config()
+        .expect("valid");
+        let Broker::Kafka(kafka) = &config.broker else {
+            panic!("kafka broker");
+        };
+        let keys: Vec<&str> = kafka.properties.iter().map(|p| p.0.as_str()).collect();
+        assert_eq!(keys, ["sasl.mechanism", "sasl.username", "sasl.password"]);
+        assert!(!format!("{config:?}").contains("s3cret-sentinel"));
+
+        std::fs::write(
+            &file,
+            "sasl.username=relay\nsasl.password s3cret-sentinel\n",
+        )
+        .expect("write");
+        let err = run_args(&["--kafka-config-file", path])
+            .into_config()
+            .map(|_| ())
+            .expect_err("line 2 has no =");
+        assert_eq!(err.flag, "--kafka-config-file");
+        assert!(err.reason.contains("line 2"), "{err}");
+        assert!(!err.to_string().contains("s3cret-sentinel"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn database_flags_work_after_a_nested_subcommand() {
+        let cli = Cli::try_parse_from([
+            "outbox-relay",
+            "dead-letters",
+            "list",
+            "--database-url",
+            "postgres://u@db.example:5433/app",
+            "--schema",
+            "orders_outbox",
+        ])
+        .expect("flags after the subcommand parse");
+        let Command::DeadLetters { db, .. } = cli.command else {
+            panic!("dead-letters");
+        };
+        assert_eq!(db.schema.as_str(), "orders_outbox");
+        assert!(db.database_url.expose().contains("db.example:5433"));
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
             json!({
                 "destination": r.get::<_, String>(0),
                 "pending": r.get::<_, i64>(1),
+                "oldest_at": at(oldest),
                 "oldest_age_s": age_secs(oldest),
                 "retrying": r.get::<_, i64>(3),
             })
@@ -92,6 +93,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
     let retained = json!({
         "count": retained_count.min(RETAINED_CAP),
         "at_least": retained_count > RETAINED_CAP,
+        "oldest_at": at(retained.get(1)),
         "oldest_age_s": age_secs(retained.get(1)),
     });
     let parked = client
@@ -166,13 +168,17 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
                 "slot": r.get::<_, i32>(0),
                 "host": r.get::<_, Option<String>>(1),
                 "pid": r.get::<_, Option<i32>>(2),
+                "started_at": at(r.get(3)),
                 "started_age_s": age_secs(r.get(3)),
+                "heartbeat_at": at(r.get(4)),
                 "heartbeat_age_s": age_secs(r.get(4)),
                 "in_flight": r.get::<_, Option<i32>>(5),
                 "published": r.get::<_, Option<i64>>(6),
+                "broker_down_since": at(r.get(7)),
                 "broker_down_for_s": age_secs(r.get(7)),
                 "broker_error": r.get::<_, Option<String>>(8),
                 "partitions": parts,
+                "owning_since": at(r.get(10)),
                 "owning_since_age_s": age_secs(r.get(10)),
             })
         })
@@ -218,6 +224,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
             blockers.push(json!({
                 "kind": "broker_unreachable",
                 "slot": r["slot"],
+                "down_since": r["broker_down_since"],
                 "down_for_s": down,
                 "error": r["broker_error"],
             }));
@@ -234,6 +241,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<serde_json::
     }
     Ok(json!({
         "schema": schema.as_str(),
+        "at": rfc3339(SystemTime::now()),
         "backlog": backlog,
         "in_flight": replicas.iter().filter_map(|r| r["in_flight"].as_i64()).sum::<i64>(),
         "dead_letters": dead,
@@ -479,6 +487,11 @@ impl Payload {
 /// `t` as RFC 3339 in UTC, for JSON beside the ages.
 fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_micros(t).to_string()
+}
+
+/// [`rfc3339`] of a nullable column.
+fn at(t: Option<SystemTime>) -> Option<String> {
+    t.map(rfc3339)
 }
 
 /// A destination as an operator reads it: AMQP's default exchange has no name.
@@ -799,8 +812,11 @@ pub async fn locate(
                 "key": r.get::<_, Option<String>>(2),
                 "attempts": r.get::<_, i32>(3),
                 "last_error": r.get::<_, Option<String>>(4),
+                "created_at": at(r.get(5)),
                 "age_s": age_secs(r.get(5)),
+                "last_attempt_at": at(r.get(6)),
                 "last_attempt_age_s": age_secs(r.get(6)),
+                "next_attempt_at": rfc3339(next),
                 "next_attempt_in_s": next.duration_since(SystemTime::now()).ok().map(|d| d.as_secs_f64()),
                 "partition": r.get::<_, i16>(8),
             }))
@@ -878,6 +894,7 @@ pub async fn locate(
                 "key": r.get::<_, Option<String>>(1),
                 "attempts": r.get::<_, i32>(2),
                 "last_error": r.get::<_, String>(3),
+                "dead_at": at(r.get(4)),
                 "dead_age_s": age_secs(r.get(4)),
             }),
             id,
