@@ -100,6 +100,9 @@ pub struct Stats {
     pub in_flight: std::sync::atomic::AtomicI64,
     /// Whether the last attempt to reach Postgres from a worker succeeded.
     pub postgres_up: std::sync::atomic::AtomicBool,
+    /// Set when a worker lost Postgres after having reached it, until one
+    /// reaches it again (so recovery is logged once).
+    postgres_lost: std::sync::atomic::AtomicBool,
     /// Whether the ownership session is up (the replica can claim).
     pub owner_up: std::sync::atomic::AtomicBool,
     /// Since when the broker has been failing whole batches, and why.
@@ -123,15 +126,45 @@ pub struct Stats {
 impl Stats {
     /// Records whether the broker answered the last batch.
     fn note_broker(&self, error: Option<&crate::publish::PublishError>) {
+        // Workers and the probe all report here; the log gets one line when
+        // the broker goes away and one when it is back, whoever noticed.
         let mut down = self.broker_down.lock().unwrap_or_else(|p| p.into_inner());
+        match (error, down.as_ref()) {
+            (None, None) => {}
+            (None, Some((since, _))) => {
+                let down_for = since.elapsed().unwrap_or_default();
+                tracing::info!(down_for = ?Duration::from_millis(down_for.as_millis() as u64), "broker reachable again");
+                *down = None;
+            }
+            (Some(e), None) => {
+                tracing::warn!(error = %e, "broker unreachable; messages wait in the outbox until it is back");
+                *down = Some((std::time::SystemTime::now(), e.to_string()));
+            }
+            (Some(e), Some((since, _))) => {
+                tracing::debug!(error = %e, "broker still unreachable");
+                *down = Some((*since, e.to_string()));
+            }
+        }
+    }
+
+    /// Records whether a worker reached Postgres; like the broker, one log
+    /// line per change (after the first connection), not one per worker.
+    fn note_postgres(&self, worker: usize, error: Option<&tokio_postgres::Error>) {
         match error {
-            None => *down = None,
+            None => {
+                if !self.postgres_up.swap(true, Ordering::Relaxed)
+                    && self.postgres_lost.swap(false, Ordering::Relaxed)
+                {
+                    tracing::info!("postgres reachable again");
+                }
+            }
             Some(e) => {
-                let since = down
-                    .as_ref()
-                    .map(|d| d.0)
-                    .unwrap_or_else(std::time::SystemTime::now);
-                *down = Some((since, e.to_string()));
+                if self.postgres_up.swap(false, Ordering::Relaxed) {
+                    self.postgres_lost.store(true, Ordering::Relaxed);
+                    tracing::warn!(worker, error = %source::PgError(e), "lost postgres; reconnecting");
+                } else {
+                    tracing::debug!(worker, error = %source::PgError(e), "postgres still unreachable");
+                }
             }
         }
     }
@@ -380,6 +413,7 @@ impl<P: Publisher> Relay<P> {
         shutdown: &CancellationToken,
     ) -> Result<(), Error> {
         let mut backoff = Backoff::new(Duration::from_millis(200), self.settings.reconnect_max);
+        let mut said = false;
         loop {
             match source::connect(&self.pg, self.settings.hold_limit).await {
                 Ok(client) => {
@@ -392,8 +426,19 @@ impl<P: Publisher> Relay<P> {
                             cause: e,
                         });
                 }
+                // At start-up, an error that repeats until someone fixes the
+                // configuration (password, user, database) stops the relay
+                // with the server's message; one a restarting server gives
+                // is waited out, said once. Once running, every connection
+                // error is retried: a running relay never exits on its own.
+                Err(e) if !source::worth_waiting_for(&e) => return Err(Error::Postgres(e)),
                 Err(e) => {
-                    tracing::warn!(error = %source::PgError(&e), "cannot reach postgres; retrying");
+                    if !said {
+                        tracing::warn!(error = %source::PgError(&e), "cannot reach postgres; waiting for it");
+                        said = true;
+                    } else {
+                        tracing::debug!(error = %source::PgError(&e), "postgres still unreachable");
+                    }
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(()),
                         _ = tokio::time::sleep(backoff.next_delay()) => {}
@@ -412,12 +457,11 @@ impl<P: Publisher> Worker<P> {
         'connect: while !shutdown.is_cancelled() {
             let mut client = match source::connect(&self.pg, self.settings.hold_limit).await {
                 Ok(c) => {
-                    self.stats.postgres_up.store(true, Ordering::Relaxed);
+                    self.stats.note_postgres(self.id, None);
                     c
                 }
                 Err(e) => {
-                    self.stats.postgres_up.store(false, Ordering::Relaxed);
-                    tracing::warn!(worker = self.id, error = %source::PgError(&e), "cannot connect to postgres");
+                    self.stats.note_postgres(self.id, Some(&e));
                     if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
                         break;
                     }
@@ -468,17 +512,18 @@ impl<P: Publisher> Worker<P> {
                         }
                     }
                     Some(Err(BatchError::Publish(e))) => {
-                        tracing::warn!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
+                        // Stats::note_broker logged the change of state.
+                        tracing::debug!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
                         if sleep_or_cancel(broker.next_delay(), &shutdown).await {
                             break 'connect;
                         }
                     }
                     Some(Err(BatchError::Postgres(e))) => {
-                        tracing::warn!(worker = self.id, error = %e, "postgres error; batch will be retried");
                         if client.is_closed() {
-                            self.stats.postgres_up.store(false, Ordering::Relaxed);
+                            self.stats.note_postgres(self.id, Some(&e));
                             continue 'connect;
                         }
+                        tracing::warn!(worker = self.id, error = %source::PgError(&e), "postgres error; batch will be retried");
                         // A fresh session re-prepares the statements: one
                         // whose cached plan went stale (a column changed type
                         // under it) would fail the same way on every batch.
@@ -646,7 +691,7 @@ impl<P: Publisher> Worker<P> {
             Err(e) => {
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
                 self.stats.batch_failures.fetch_add(1, Ordering::Relaxed);
-                count_by_destination(&batch, |_| true, "batch_failed");
+                metrics::counter!(crate::metrics::BATCH_FAILURES).increment(1);
                 // Recording the reason is a courtesy to operators; if it fails the
                 // rows are released by the rollback all the same.
                 if self
@@ -729,7 +774,7 @@ fn count_by_destination(
         *counts.entry(env.destination.as_str()).or_default() += 1;
     }
     for (destination, n) in counts {
-        metrics::counter!(crate::metrics::MESSAGES, "destination" => destination.to_owned(), "result" => result)
+        metrics::counter!(crate::metrics::MESSAGES, "destination" => crate::metrics::destination_label(destination), "result" => result)
             .increment(n);
     }
 }

@@ -104,7 +104,11 @@ async fn serve_relay<P: publish::Publisher>(
     let mut helpers = Vec::new();
     if let Some(addr) = config.http_addr {
         let listener = metrics::bind(addr).await?;
-        let handle = metrics::install().map_err(|reason| config::ConfigError {
+        let broker = match &config.broker {
+            config::Broker::Amqp(_) => "amqp",
+            config::Broker::Kafka(_) => "kafka",
+        };
+        let handle = metrics::install(broker).map_err(|reason| config::ConfigError {
             flag: "--http-addr",
             reason: format!("cannot install the metrics recorder: {reason}"),
         })?;
@@ -114,16 +118,19 @@ async fn serve_relay<P: publish::Publisher>(
             .unwrap_or_default();
         tracing::info!(addr = %local, "serving /metrics, /healthz, /readyz");
         let stop = CancellationToken::new();
+        let db_gauges = metrics::SharedDbGauges::default();
         helpers.push(tokio::spawn(metrics::serve(
             listener,
             handle,
             std::sync::Arc::clone(&stats),
+            std::sync::Arc::clone(&db_gauges),
             stop.clone(),
         )));
         helpers.push(tokio::spawn(metrics::collect(
             config.pg,
             config.schema,
             std::sync::Arc::clone(&stats),
+            db_gauges,
             std::time::Duration::from_secs(5),
             stop.clone(),
         )));

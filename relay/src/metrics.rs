@@ -18,22 +18,26 @@ use tokio_util::sync::CancellationToken;
 
 use crate::engine::Stats;
 
-/// Messages handled, by `destination` and `result` (`published`, `rejected`,
-/// `dead_lettered`, `batch_failed`).
+/// Messages handled, by `destination` and `result` (`published`,
+/// `rejected`, `dead_lettered`). A `rejected` message counts once per
+/// attempt; whole batches that failed are [`BATCH_FAILURES`].
 pub const MESSAGES: &str = "outbox_messages_total";
+/// Batches that failed as a whole (broker unreachable, no confirm in time):
+/// their rows stay in the outbox and go out again, with no attempt counted.
+pub const BATCH_FAILURES: &str = "outbox_batch_failures_total";
 /// Seconds from a row's commit (its `created_at`) to the broker's confirm.
 pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
 /// Seconds one batch spent waiting for the broker.
 pub const PUBLISH: &str = "outbox_publish_seconds";
-/// Rows waiting, by `destination`.
+/// Rows waiting, by `destination` (database-wide; one replica exports it).
 pub const BACKLOG: &str = "outbox_backlog_messages";
-/// Age of the oldest waiting row, by `destination`.
+/// Age of the oldest waiting row, by `destination` (database-wide).
 pub const OLDEST_PENDING: &str = "outbox_oldest_pending_seconds";
 /// Rejected attempts that will be retried.
 pub const RETRIES: &str = "outbox_retries_total";
-/// Messages in the dead letters.
-pub const DEAD_LETTERS: &str = "outbox_dead_letters";
-/// Keys parked behind a dead letter.
+/// Messages in the dead letters (database-wide).
+pub const DEAD_LETTERS: &str = "outbox_dead_letter_messages";
+/// Keys parked behind a dead letter (database-wide).
 pub const PARKED_KEYS: &str = "outbox_parked_keys";
 /// Partitions this replica owns.
 pub const PARTITIONS_OWNED: &str = "outbox_partitions_owned";
@@ -43,13 +47,19 @@ pub const PARTITIONS_UNOWNED: &str = "outbox_partitions_unowned";
 pub const CONNECTION_UP: &str = "outbox_connection_up";
 /// 1 while this replica is ready (see `/readyz`).
 pub const READY: &str = "outbox_ready";
+/// Always 1; `version` and `broker` label the running build.
+pub const BUILD_INFO: &str = "outbox_build_info";
+/// 1 on the one replica that exports the database-wide gauges.
+pub const DATABASE_GAUGES: &str = "outbox_database_gauges_exporter";
 
 /// Published rows deleted by the retention cleanup (retention mode only).
 pub const RETENTION_DELETED: &str = "outbox_retention_deleted_total";
 
-/// Every metric the relay exports.
+/// Every metric the relay exports. The database-wide ones
+/// ([`DATABASE_WIDE`]) appear on one replica at a time.
 pub const ALL: &[&str] = &[
     MESSAGES,
+    BATCH_FAILURES,
     COMMIT_TO_CONFIRM,
     PUBLISH,
     BACKLOG,
@@ -61,50 +71,209 @@ pub const ALL: &[&str] = &[
     PARTITIONS_UNOWNED,
     CONNECTION_UP,
     READY,
+    BUILD_INFO,
+    DATABASE_GAUGES,
     RETENTION_DELETED,
 ];
 
-/// Installs the Prometheus recorder for this process.
-pub fn install() -> Result<PrometheusHandle, String> {
+/// Gauges that describe the whole outbox rather than one replica: only the
+/// replica holding the schema's metrics lock exports them, so a sum across
+/// replicas is right and a dashboard never counts the backlog twice.
+pub const DATABASE_WIDE: &[&str] = &[BACKLOG, OLDEST_PENDING, DEAD_LETTERS, PARKED_KEYS];
+
+/// HELP text of each metric, with its unit where Prometheus has one.
+const HELP: &[(&str, &str)] = &[
+    (MESSAGES, "Messages handled, by destination and result (published, rejected, dead_lettered); a rejection counts per attempt."),
+    (BATCH_FAILURES, "Batches that failed as a whole (broker unreachable or no confirm in time); their rows are published again and no attempt is counted."),
+    (COMMIT_TO_CONFIRM, "Seconds from a row's commit to the broker's confirm."),
+    (PUBLISH, "Seconds one batch spent waiting for the broker's answers."),
+    (BACKLOG, "Messages waiting in the outbox, by destination (database-wide, from one replica)."),
+    (OLDEST_PENDING, "Age in seconds of the oldest waiting message, by destination (database-wide, from one replica)."),
+    (RETRIES, "Rejected attempts that will be retried."),
+    (DEAD_LETTERS, "Messages in the dead letters (database-wide, from one replica)."),
+    (PARKED_KEYS, "Ordering keys whose later messages wait behind a dead letter (database-wide, from one replica)."),
+    (PARTITIONS_OWNED, "Outbox partitions this replica owns."),
+    (PARTITIONS_UNOWNED, "Outbox partitions owned by no replica, as this replica last saw."),
+    (CONNECTION_UP, "1 while this replica's connection to target (postgres, broker) works."),
+    (READY, "1 while this replica is ready (Postgres reachable and part of the replica set); the broker is not part of it."),
+    (BUILD_INFO, "Always 1; the version and broker labels name the running build."),
+    (DATABASE_GAUGES, "1 on the replica that exports the database-wide gauges, 0 on the others."),
+    (RETENTION_DELETED, "Published rows deleted by the retention cleanup."),
+];
+
+/// Most distinct `destination` label values one process exports; later
+/// destinations are counted under [`OTHER_DESTINATIONS`], so a producer that
+/// invents topic names cannot grow the series without bound.
+pub const MAX_DESTINATION_LABELS: usize = 200;
+/// The `destination` label of destinations past [`MAX_DESTINATION_LABELS`].
+pub const OTHER_DESTINATIONS: &str = "_other";
+/// The `destination` label of AMQP's default exchange (whose name is empty,
+/// which Prometheus would read as no label at all).
+pub const DEFAULT_EXCHANGE_LABEL: &str = "amq.default";
+
+static DESTINATIONS: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
+    std::sync::Mutex::new(None);
+
+/// The `destination` label value for `destination`, bounded (see
+/// [`MAX_DESTINATION_LABELS`]).
+pub fn destination_label(destination: &str) -> String {
+    let mut seen = DESTINATIONS.lock().unwrap_or_else(|p| p.into_inner());
+    let seen = seen.get_or_insert_with(Default::default);
+    bounded_label(seen, destination, MAX_DESTINATION_LABELS)
+}
+
+fn bounded_label(
+    seen: &mut std::collections::HashSet<String>,
+    destination: &str,
+    cap: usize,
+) -> String {
+    let name = if destination.is_empty() {
+        DEFAULT_EXCHANGE_LABEL
+    } else {
+        destination
+    };
+    if seen.contains(name) {
+        return name.to_owned();
+    }
+    if seen.len() < cap {
+        seen.insert(name.to_owned());
+        return name.to_owned();
+    }
+    OTHER_DESTINATIONS.to_owned()
+}
+
+/// Installs the Prometheus recorder for this process, with HELP text for
+/// every metric and the build info series.
+pub fn install(broker: &'static str) -> Result<PrometheusHandle, String> {
     let buckets = [
         0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     ];
-    PrometheusBuilder::new()
+    let handle = PrometheusBuilder::new()
         .set_buckets(&buckets)
         .map_err(|e| e.to_string())?
         .install_recorder()
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    for (name, help) in HELP {
+        if DATABASE_WIDE.contains(name) {
+            continue; // rendered by hand, see DbGauges
+        }
+        if name.ends_with("_total") {
+            metrics::describe_counter!(*name, *help);
+        } else if name.ends_with("_seconds") && *name != OLDEST_PENDING {
+            metrics::describe_histogram!(*name, metrics::Unit::Seconds, *help);
+        } else {
+            metrics::describe_gauge!(*name, *help);
+        }
+    }
+    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "broker" => broker)
+        .set(1.0);
+    metrics::counter!(BATCH_FAILURES).increment(0);
+    metrics::gauge!(DATABASE_GAUGES).set(0.0);
+    Ok(handle)
+}
+
+fn help(name: &str) -> &'static str {
+    HELP.iter().find(|(n, _)| *n == name).map_or("", |(_, h)| h)
+}
+
+/// The database-wide gauges as last read, while this replica holds the
+/// schema's metrics lock; rendered after the recorder's own output.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct DbGauges {
+    /// Per destination label: (waiting, oldest age in seconds).
+    pub backlog: std::collections::BTreeMap<String, (f64, f64)>,
+    /// Dead letters.
+    pub dead_letters: f64,
+    /// Parked keys.
+    pub parked_keys: f64,
+}
+
+impl DbGauges {
+    /// Prometheus text exposition of these gauges.
+    pub fn render(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let mut family = |name: &str, samples: Vec<(Option<&str>, f64)>| {
+            let _ = writeln!(out, "# HELP {name} {}", help(name));
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            for (dest, v) in samples {
+                match dest {
+                    Some(d) => {
+                        let _ = writeln!(out, "{name}{{destination=\"{}\"}} {v}", escape_label(d));
+                    }
+                    None => {
+                        let _ = writeln!(out, "{name} {v}");
+                    }
+                }
+            }
+        };
+        family(
+            BACKLOG,
+            self.backlog
+                .iter()
+                .map(|(d, v)| (Some(d.as_str()), v.0))
+                .collect(),
+        );
+        family(
+            OLDEST_PENDING,
+            self.backlog
+                .iter()
+                .map(|(d, v)| (Some(d.as_str()), v.1))
+                .collect(),
+        );
+        family(DEAD_LETTERS, vec![(None, self.dead_letters)]);
+        family(PARKED_KEYS, vec![(None, self.parked_keys)]);
+        out
+    }
+}
+
+/// Escapes a label value for the text format: backslash, quote, newline.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[derive(Clone)]
 struct AppState {
     handle: PrometheusHandle,
     stats: Arc<Stats>,
+    db: SharedDbGauges,
 }
+
+/// Where [`collect`] leaves the database-wide gauges for [`serve`]: `None`
+/// while another replica exports them.
+pub type SharedDbGauges = Arc<std::sync::Mutex<Option<DbGauges>>>;
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     handle: PrometheusHandle,
     stats: Arc<Stats>,
+    db: SharedDbGauges,
     shutdown: CancellationToken,
 ) {
     let app = Router::new()
-        .route(
-            "/metrics",
-            get(|State(s): State<AppState>| async move { s.handle.render() }),
-        )
+        .route("/metrics", get(render))
         // Alive: the process answers. Nothing else belongs here, or a broker
         // outage would get healthy relays restarted.
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(AppState { handle, stats });
+        .with_state(AppState { handle, stats, db });
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await;
     if let Err(e) = served {
         tracing::error!(error = %e, "http server failed");
     }
+}
+
+async fn render(State(s): State<AppState>) -> String {
+    let mut out = s.handle.render();
+    if let Some(db) = s.db.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        out.push_str(&db.render());
+    }
+    out
 }
 
 async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
@@ -127,12 +296,16 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, crate::co
         })
 }
 
-/// Refreshes the gauges that come from the database (backlog, oldest pending
-/// age, dead letters, parked keys) and the readiness gauge, every `every`.
+/// Every `every`: sets this replica's gauges (readiness, connections) and,
+/// on the one replica that holds the schema's metrics lock, reads the
+/// database-wide ones (backlog, oldest pending age, dead letters, parked
+/// keys) into `db`. When the holder goes away, its session's lock goes
+/// with it and another replica takes over within one interval.
 pub async fn collect(
     pg: crate::source::Database,
     schema: SchemaName,
     stats: Arc<Stats>,
+    db: SharedDbGauges,
     every: Duration,
     shutdown: CancellationToken,
 ) {
@@ -146,8 +319,10 @@ pub async fn collect(
         "SELECT count(DISTINCT d.ordering_key) FROM {s}.dead_letters d \
          WHERE EXISTS (SELECT 1 FROM {s}.messages m WHERE m.ordering_key = d.ordering_key AND m.seq > d.seq)"
     );
+    let lock_sql = "SELECT pg_try_advisory_lock(hashtext('outbox-metrics:' || $1))";
     let mut client: Option<tokio_postgres::Client> = None;
-    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut holding = false;
+    let mut seen: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
     loop {
         metrics::gauge!(READY).set(if stats.not_ready_reason().is_none() {
             1.0
@@ -169,38 +344,101 @@ pub async fn collect(
             },
         );
         if client.as_ref().is_none_or(|c| c.is_closed()) {
+            holding = false;
             client = crate::source::connect(&pg, Duration::from_secs(60))
                 .await
                 .ok();
         }
+        let mut snapshot = None;
         if let Some(c) = &client {
-            if let Ok(rows) = c.query(backlog_sql.as_str(), &[]).await {
-                let mut now_seen = std::collections::HashSet::new();
-                for r in rows {
-                    let d: String = r.get(0);
-                    metrics::gauge!(BACKLOG, "destination" => d.clone())
-                        .set(r.get::<_, i64>(1) as f64);
-                    metrics::gauge!(OLDEST_PENDING, "destination" => d.clone())
-                        .set(r.get::<_, Option<f64>>(2).unwrap_or(0.0));
-                    now_seen.insert(d);
-                }
-                // A drained destination reads 0, not its last value.
-                for gone in seen.difference(&now_seen) {
-                    metrics::gauge!(BACKLOG, "destination" => gone.clone()).set(0.0);
-                    metrics::gauge!(OLDEST_PENDING, "destination" => gone.clone()).set(0.0);
-                }
-                seen.extend(now_seen);
+            if !holding {
+                holding = c
+                    .query_one(lock_sql, &[&schema.as_str()])
+                    .await
+                    .is_ok_and(|r| r.get::<_, bool>(0));
             }
-            if let Ok(r) = c.query_one(dead_sql.as_str(), &[]).await {
-                metrics::gauge!(DEAD_LETTERS).set(r.get::<_, i64>(0) as f64);
-            }
-            if let Ok(r) = c.query_one(parked_sql.as_str(), &[]).await {
-                metrics::gauge!(PARKED_KEYS).set(r.get::<_, i64>(0) as f64);
+            if holding {
+                snapshot = read_db_gauges(c, &backlog_sql, &dead_sql, &parked_sql)
+                    .await
+                    .ok();
+                if let Some(g) = snapshot.as_mut() {
+                    // A drained destination reads 0, not nothing.
+                    for gone in &seen {
+                        g.backlog.entry(gone.clone()).or_insert((0.0, 0.0));
+                    }
+                    seen.extend(g.backlog.keys().cloned());
+                }
             }
         }
+        metrics::gauge!(DATABASE_GAUGES).set(if snapshot.is_some() { 1.0 } else { 0.0 });
+        *db.lock().unwrap_or_else(|p| p.into_inner()) = snapshot;
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+async fn read_db_gauges(
+    c: &tokio_postgres::Client,
+    backlog_sql: &str,
+    dead_sql: &str,
+    parked_sql: &str,
+) -> Result<DbGauges, tokio_postgres::Error> {
+    let mut g = DbGauges::default();
+    for r in c.query(backlog_sql, &[]).await? {
+        let label = destination_label(r.get::<_, &str>(0));
+        let e = g.backlog.entry(label).or_insert((0.0, 0.0));
+        e.0 += r.get::<_, i64>(1) as f64;
+        e.1 = e.1.max(r.get::<_, Option<f64>>(2).unwrap_or(0.0));
+    }
+    g.dead_letters = c.query_one(dead_sql, &[]).await?.get::<_, i64>(0) as f64;
+    g.parked_keys = c.query_one(parked_sql, &[]).await?.get::<_, i64>(0) as f64;
+    Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destination_labels_are_bounded_and_never_empty() {
+        let mut seen = std::collections::HashSet::new();
+        assert_eq!(bounded_label(&mut seen, "", 2), DEFAULT_EXCHANGE_LABEL);
+        assert_eq!(bounded_label(&mut seen, "orders", 2), "orders");
+        assert_eq!(bounded_label(&mut seen, "invoices", 2), OTHER_DESTINATIONS);
+        assert_eq!(bounded_label(&mut seen, "orders", 2), "orders");
+        assert_eq!(seen.len(), 2);
+    }
+
+    #[test]
+    fn database_gauges_render_as_valid_exposition() {
+        let mut g = DbGauges::default();
+        g.backlog.insert("a\"b".into(), (3.0, 1.5));
+        g.dead_letters = 2.0;
+        let text = g.render();
+        assert!(
+            text.contains("# TYPE outbox_backlog_messages gauge"),
+            "{text}"
+        );
+        assert!(
+            text.contains("outbox_backlog_messages{destination=\"a\\\"b\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("outbox_oldest_pending_seconds{destination=\"a\\\"b\"} 1.5"),
+            "{text}"
+        );
+        assert!(text.contains("outbox_dead_letter_messages 2"), "{text}");
+        for name in DATABASE_WIDE {
+            assert!(text.contains(&format!("# HELP {name} ")), "{name} has HELP");
+        }
+    }
+
+    #[test]
+    fn every_metric_has_help() {
+        for name in ALL {
+            assert!(!help(name).is_empty(), "{name} has no HELP text");
         }
     }
 }

@@ -95,3 +95,44 @@ async fn migrate_fails_at_once_on_what_waiting_cannot_fix() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.to_lowercase().contains("refused"), "{stderr}");
 }
+
+/// `run` as well: an unknown database or user is a configuration error,
+/// reported once with the server's message, not retried forever.
+#[tokio::test]
+async fn run_stops_at_start_up_on_a_wrong_database_or_user_with_the_servers_message() {
+    for (url, named) in [
+        (
+            "postgres://postgres@127.0.0.1:5432/no_such_database_for_run",
+            "no_such_database_for_run",
+        ),
+        (
+            "postgres://no_such_role_for_run@127.0.0.1:5432/postgres",
+            "no_such_role_for_run",
+        ),
+    ] {
+        let out = Command::new(RELAY_BIN)
+            .arg("run")
+            .env("OUTBOX_DATABASE_URL", url)
+            .env("OUTBOX_HTTP_ADDR", "off")
+            .env("OUTBOX_LOG", "warn")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(60), out)
+            .await
+            .expect("run should stop instead of retrying forever")
+            .expect("run relay");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(named),
+            "the server's message names it: {stderr}"
+        );
+        assert!(!stderr.contains("retrying"), "{stderr}");
+        assert_eq!(
+            stderr.lines().filter(|l| l.contains(named)).count(),
+            1,
+            "{stderr}"
+        );
+    }
+}

@@ -68,10 +68,17 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         .env("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}"))
         .env("OUTBOX_CONFIRM_TIMEOUT", "3s")
         .env("OUTBOX_HOLD_LIMIT", "10s")
-        .env("OUTBOX_LOG", "warn")
+        .env("OUTBOX_LOG", "info")
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("relay");
+    let mut err_pipe = relay.stderr.take().expect("stderr");
+    let log_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
+        String::from_utf8_lossy(&v).into_owned()
+    });
     assert!(
         eventually(PATIENCE, || async {
             get(port, "/healthz").await.is_some_and(|(s, _)| s == 200)
@@ -79,6 +86,13 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         .await,
         "/healthz never answered"
     );
+    // The image's HEALTHCHECK: the relay's own subcommand, no curl.
+    let health = Command::new(RELAY_BIN)
+        .args(["healthcheck", "--http-addr", &format!("0.0.0.0:{port}")])
+        .output()
+        .await
+        .expect("healthcheck");
+    assert_eq!(health.status.code(), Some(0), "{health:?}");
     // The broker is unreachable from the start: alive and ready (as a
     // sidecar its readiness is the app's), the broker gauge at 0, backlog
     // grows.
@@ -164,7 +178,33 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     );
     for name in outbox_relay::metrics::ALL {
         assert!(last.contains(name), "metric {name} not exported:\n{last}");
+        assert!(
+            last.contains(&format!("# HELP {name} ")),
+            "metric {name} has no HELP line:\n{last}"
+        );
     }
+    assert!(
+        last.contains(&format!(
+            "outbox_build_info{{version=\"{}\",broker=\"amqp\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )) || last.contains(&format!(
+            "outbox_build_info{{broker=\"amqp\",version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "build info:\n{last}"
+    );
+    // The outage failed batches, counted once per batch; messages_total
+    // counts what happened to messages, never a batch's retries.
+    assert!(
+        sample(&last, "outbox_batch_failures_total").is_some_and(|n| n >= 1.0),
+        "failed batches counted:\n{last}"
+    );
+    assert!(!last.contains("batch_failed"), "{last}");
+    assert_eq!(
+        sample(&last, "outbox_database_gauges_exporter"),
+        Some(1.0),
+        "the only replica exports the database-wide gauges"
+    );
 
     // Broker unreachable mid-run: the gauge drops within seconds, and the
     // relay stays alive and ready; back: the gauge rises again.
@@ -209,6 +249,37 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         .status()
         .await;
     assert_eq!(relay.wait().await.ok().and_then(|s| s.code()), Some(0));
+    let health = Command::new(RELAY_BIN)
+        .args(["healthcheck", "--http-addr", &format!("127.0.0.1:{port}")])
+        .output()
+        .await
+        .expect("healthcheck");
+    assert_eq!(
+        health.status.code(),
+        Some(1),
+        "nothing answers now: {health:?}"
+    );
+
+    // Two outages, each logged once when it began and once when it ended,
+    // however many workers and probes hit it: no flood of retries.
+    let log = log_task.await.expect("log");
+    let count = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        count("broker unreachable"),
+        2,
+        "one line per outage:\n{log}"
+    );
+    assert_eq!(
+        count("broker reachable again"),
+        2,
+        "one line per recovery:\n{log}"
+    );
+    let warnings = log.lines().filter(|l| l.contains("WARN")).count();
+    assert!(warnings <= 4, "{warnings} warnings for two outages:\n{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour escapes in a piped log:\n{log}"
+    );
     rabbit.cleanup().await;
     db.cleanup().await;
 }
@@ -409,5 +480,91 @@ async fn enqueue_inside_a_span_and_consumers_see_the_same_trace() {
     topic.stop().await;
     rabbit.cleanup().await;
     kafka_db.cleanup().await;
+    db.cleanup().await;
+}
+
+/// Backlog and dead-letter gauges describe the whole outbox: with several
+/// replicas exactly one exports them (so sums across replicas are right),
+/// and when it dies another takes over.
+#[tokio::test]
+async fn one_replica_exports_the_database_wide_gauges_and_another_takes_over() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let ports = [free_port(), free_port()];
+    let mut relays: Vec<Option<outbox_tests::process::RelayProcess>> = ports
+        .iter()
+        .map(|port| {
+            Some(outbox_tests::process::RelayProcess::start(
+                RELAY_BIN,
+                &[
+                    ("OUTBOX_SCHEMA", db.schema.as_str().to_owned()),
+                    ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
+                ],
+            ))
+        })
+        .collect();
+    let exporters = |ms: &[Option<String>]| -> Vec<usize> {
+        ms.iter()
+            .enumerate()
+            .filter(|(_, m)| {
+                m.as_deref().is_some_and(|m| {
+                    sample(m, "outbox_database_gauges_exporter") == Some(1.0)
+                        && sample(m, "outbox_dead_letter_messages").is_some()
+                })
+            })
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let scrape = |alive: Vec<bool>| async move {
+        let mut out = Vec::new();
+        for (i, port) in ports.iter().enumerate() {
+            out.push(if alive[i] {
+                get(*port, "/metrics").await.map(|(_, m)| m)
+            } else {
+                None
+            });
+        }
+        out
+    };
+    // Both up and scraped, one of them the exporter.
+    let mut holder = None;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while tokio::time::Instant::now() < deadline {
+        let ms = scrape(vec![true, true]).await;
+        let both = ms.iter().all(|m| {
+            m.as_deref()
+                .is_some_and(|m| m.contains("outbox_database_gauges_exporter"))
+        });
+        let ex = exporters(&ms);
+        if both && ex.len() == 1 {
+            // The other one shows no database-wide series at all.
+            let other = ms[1 - ex[0]].as_deref().unwrap_or_default();
+            for name in outbox_relay::metrics::DATABASE_WIDE {
+                assert!(
+                    !other.lines().any(|l| l.starts_with(name)),
+                    "{name} exported by the second replica too:\n{other}"
+                );
+            }
+            holder = Some(ex[0]);
+            break;
+        }
+        assert!(ex.len() <= 1, "two replicas export the database gauges");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let holder = holder.expect("exactly one replica exports the database-wide gauges");
+    if let Some(r) = relays[holder].take() {
+        r.kill9().await;
+    }
+    let survivor = 1 - holder;
+    let mut alive = vec![false, false];
+    alive[survivor] = true;
+    assert!(
+        eventually(PATIENCE, || async {
+            exporters(&scrape(alive.clone()).await) == vec![survivor]
+        })
+        .await,
+        "the surviving replica never took over the database-wide gauges"
+    );
+    drop(relays);
     db.cleanup().await;
 }

@@ -78,6 +78,22 @@ impl std::fmt::Display for PgError<'_> {
 /// (half the hold limit) stops a claim or settle that hangs on the server,
 /// and TCP keepalives with `tcp_user_timeout` (also half) end a connection
 /// whose peer vanished, which the kernel would otherwise keep for two hours.
+///
+/// Whether a failed connection attempt is worth repeating: no answer or a
+/// refused connection (the server is down or restarting), "the database
+/// system is starting up", or "too many connections". Anything else the
+/// server says (a wrong password, an unknown user or database, a refused
+/// host) repeats identically until someone changes the configuration.
+pub fn worth_waiting_for(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    match e.code() {
+        None => true,
+        Some(code) => {
+            *code == SqlState::CANNOT_CONNECT_NOW || *code == SqlState::TOO_MANY_CONNECTIONS
+        }
+    }
+}
+
 /// Waits up to `wait` for Postgres at `db` to accept a connection, saying so
 /// once. Only errors that a server coming up gives are waited out (no
 /// answer, connection refused, "the database system is starting up"); any
@@ -91,10 +107,7 @@ pub async fn wait_for_postgres(db: &Database, wait: Duration) -> Result<(), toki
         match db.connect_spawned().await {
             Ok(_) => return Ok(()),
             Err(e) => {
-                let starting = match e.code() {
-                    None => true,
-                    Some(code) => *code == tokio_postgres::error::SqlState::CANNOT_CONNECT_NOW,
-                };
+                let starting = worth_waiting_for(&e);
                 if !starting || tokio::time::Instant::now() >= deadline {
                     return Err(e);
                 }
