@@ -27,8 +27,12 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".inbox, :"schema".sent_notifica
     :"schema".checkpoints, :"schema".idempotency_keys TO outbox_app;
 
 -- The relay: claim (SELECT ... FOR UPDATE), settle (DELETE), record failures
--- (UPDATE), dead-letter, and its replica bookkeeping. `status` reads pg_locks
--- and pg_stat_activity, which every role may read.
+-- (UPDATE), dead-letter, and its replica bookkeeping. `status` reads pg_locks,
+-- which every role may read, and pg_stat_activity, where a role sees other
+-- users' sessions without their transaction start unless it has
+-- pg_read_all_stats: without it `status` cannot name the long transaction
+-- that holds the relay back. Granting it takes a superuser (or a role with
+-- ADMIN on pg_read_all_stats); otherwise the script says so and goes on.
 GRANT SELECT, UPDATE, DELETE ON :"schema".messages TO outbox_relay;
 GRANT SELECT, INSERT ON :"schema".dead_letters TO outbox_relay;
 -- Retention mode moves published rows here and deletes them after a while.
@@ -37,3 +41,9 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".replicas, :"schema".partition_
 -- Every claim reads the paused destinations; `pause` and `resume`, run with
 -- this role, change them.
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".paused_destinations TO outbox_relay;
+
+DO $$ BEGIN
+    GRANT pg_read_all_stats TO outbox_relay;
+EXCEPTION WHEN insufficient_privilege THEN
+    RAISE NOTICE 'could not grant pg_read_all_stats to outbox_relay: `outbox-relay status` run as it will not see other users'' long transactions; have a superuser run GRANT pg_read_all_stats TO outbox_relay';
+END $$;

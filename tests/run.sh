@@ -16,6 +16,7 @@ start_tansu
 trap stop_tansu EXIT
 ensure_python_consumers
 ensure_pgbouncer
+ensure_deploy_tools
 
 rows="${CARGO_TARGET_DIR:-target}/tmp/correctness"
 rm -rf "$rows"

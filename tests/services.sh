@@ -91,3 +91,31 @@ ensure_pgbouncer() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
   fi
 }
+
+# The deploy files' own checkers (tests/tests/deploy.rs): promtool, taken
+# out of Debian's prometheus package without installing (or starting) the
+# server; kubernetes-validate (strict schemas, from PyPI); systemd-analyze.
+DEPLOY_TOOLS=${OUTBOX_TEST_TOOLS:-$HOME/.cache/outbox-relay-tests}
+export OUTBOX_TEST_PROMTOOL=${OUTBOX_TEST_PROMTOOL:-$DEPLOY_TOOLS/promtool}
+ensure_deploy_tools() {
+  if [ ! -x "$OUTBOX_TEST_PROMTOOL" ]; then
+    echo "fetching promtool (from Debian's prometheus package, unpacked, not installed)"
+    local work
+    work=$(mktemp -d)
+    (cd "$work" && apt-get download prometheus >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get download prometheus >/dev/null; })
+    dpkg-deb -x "$work"/prometheus_*.deb "$work/x"
+    mkdir -p "$(dirname "$OUTBOX_TEST_PROMTOOL")"
+    cp "$work/x/usr/bin/promtool" "$OUTBOX_TEST_PROMTOOL"
+    rm -rf "$work"
+  fi
+  if ! python3 -c 'import kubernetes_validate, yaml' 2>/dev/null; then
+    echo "installing kubernetes-validate (PyPI)"
+    python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate
+  fi
+  if ! command -v systemd-analyze >/dev/null 2>&1; then
+    echo "installing systemd-analyze (Debian package systemd)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
+  fi
+}

@@ -91,6 +91,37 @@ async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
         .await
     );
     relay.stop().await;
+
+    // `status` run as the relay's role names another user's long
+    // transaction (pg_read_all_stats lets it see xact_start).
+    app_client
+        .batch_execute("BEGIN; SELECT 1")
+        .await
+        .expect("open transaction");
+    let app_pid: i32 = app_client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let relay_url = outbox_tests::pg_url().replacen("postgres@", &format!("{relay_user}@"), 1);
+    assert!(relay_url.contains(&relay_user), "{relay_url}");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay-under-test"))
+        .args(["status", "--json"])
+        .env("OUTBOX_DATABASE_URL", &relay_url)
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .output()
+        .await
+        .expect("status");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+    let seen = v["blockers"].as_array().is_some_and(|b| {
+        b.iter()
+            .any(|b| b["kind"] == "long_transaction" && b["pid"] == app_pid)
+    });
+    assert!(
+        seen,
+        "status as the relay role misses the app's long transaction: {v}"
+    );
     drop(app_client);
     rabbit.cleanup().await;
     let _ = db
