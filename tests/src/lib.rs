@@ -17,6 +17,12 @@ pub mod sink;
 pub mod tls;
 pub mod workload;
 
+/// In every workload payload (tests/src/workload.rs); never in a log.
+pub const PAYLOAD_SENTINEL: &str = "payload-sentinel-5d1e";
+/// The Postgres password every [`process::RelayProcess`] is given (trust
+/// authentication ignores it); never in a log.
+pub const PASSWORD_SENTINEL: &str = "pw-sentinel-93b0";
+
 /// Postgres URL for tests.
 pub fn pg_url() -> String {
     std::env::var("OUTBOX_TEST_DATABASE_URL")

@@ -4,9 +4,47 @@ use std::process::Stdio;
 
 use tokio::process::{Child, Command};
 
-/// A running `outbox-relay run`.
+/// A running `outbox-relay run`. Its log goes on to the test's stderr, and
+/// every line is scanned: a workload payload's sentinel, the Postgres
+/// password sentinel or the AMQP credentials in a log fail the test when
+/// the process is dropped.
 pub struct RelayProcess {
     child: Child,
+    leaks: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// What must never reach a relay's log.
+fn secrets_in_logs() -> Vec<String> {
+    let mut out = vec![
+        crate::PAYLOAD_SENTINEL.to_owned(),
+        crate::PASSWORD_SENTINEL.to_owned(),
+    ];
+    // The AMQP URL's user:password, as configured.
+    if let Some(creds) = crate::amqp_url()
+        .split("://")
+        .nth(1)
+        .and_then(|rest| rest.split_once('@'))
+        .map(|(creds, _)| creds.to_owned())
+        .filter(|c| c.contains(':'))
+    {
+        out.push(format!("{creds}@"));
+    }
+    out
+}
+
+/// The test database URL with [`crate::PASSWORD_SENTINEL`] as its password
+/// when it has none.
+fn url_with_password_sentinel() -> String {
+    let url = crate::pg_url();
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((user, host)) if !user.contains(':') => {
+                format!("{scheme}://{user}:{}@{host}", crate::PASSWORD_SENTINEL)
+            }
+            _ => url,
+        },
+        None => url,
+    }
 }
 
 impl RelayProcess {
@@ -16,7 +54,7 @@ impl RelayProcess {
     pub fn start(bin: &str, env: &[(&str, String)]) -> RelayProcess {
         let mut cmd = Command::new(bin);
         cmd.arg("run")
-            .env("OUTBOX_DATABASE_URL", crate::pg_url())
+            .env("OUTBOX_DATABASE_URL", url_with_password_sentinel())
             .env("OUTBOX_AMQP_URL", crate::amqp_url())
             // Many relays run side by side in the suites: an ephemeral port each.
             .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
@@ -26,13 +64,38 @@ impl RelayProcess {
             )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
+            .stderr(Stdio::piped())
             .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        RelayProcess {
-            child: cmd.spawn().expect("spawn relay process"),
+        let mut child = cmd.spawn().expect("spawn relay process");
+        let leaks = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let leaks = std::sync::Arc::clone(&leaks);
+            let secrets = secrets_in_logs();
+            tokio::spawn(async move {
+                use tokio::io::AsyncBufReadExt;
+                let mut lines = tokio::io::BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    eprintln!("{line}");
+                    for s in &secrets {
+                        if line.contains(s.as_str()) {
+                            leaks
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push(format!("{s:?} in: {line}"));
+                        }
+                    }
+                }
+            });
         }
+        RelayProcess { child, leaks }
+    }
+
+    /// Log lines so far that carried a payload sentinel or a secret.
+    pub fn leaks(&self) -> Vec<String> {
+        self.leaks.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The OS process id.
@@ -216,4 +279,16 @@ pub fn release_relay_binary() -> anyhow::Result<std::path::PathBuf> {
         .ok_or_else(|| {
             anyhow::anyhow!("build the relay first: cargo build --release -p outbox-relay")
         })
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let leaks = self.leaks();
+        if !leaks.is_empty() && !std::thread::panicking() {
+            panic!(
+                "the relay logged what must never reach a log:\n{}",
+                leaks.join("\n")
+            );
+        }
+    }
 }

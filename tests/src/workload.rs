@@ -131,7 +131,12 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
                 Message::builder(spec.destination.as_str())
                     .key(t.key.as_str())
                     .routing_key(format!("wl.{}", t.key))
-                    .json(t)
+                    // The tag plus a sentinel RelayProcess watches its logs for.
+                    .json(&serde_json::json!({
+                        "key": t.key,
+                        "seq": t.seq,
+                        "note": crate::PAYLOAD_SENTINEL,
+                    }))
                     .build()
                     .expect("valid message")
             })
