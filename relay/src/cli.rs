@@ -45,6 +45,31 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// The operator's "y/N" before a destructive command, at the CLI edge.
+/// Asks "y/N" on the terminal unless `yes`; refuses when there is no terminal.
+fn confirm(prompt: &str, yes: bool) -> Result<(), ops::OpsError> {
+    if yes {
+        return Ok(());
+    }
+    if !{
+        use std::io::IsTerminal;
+        std::io::stdin().is_terminal()
+    } {
+        return Err(ops::OpsError::NotConfirmed(format!(
+            "{prompt}: not a terminal, so not asking; pass --yes to proceed"
+        )));
+    }
+    eprint!("{prompt} [y/N] ");
+    let _ = std::io::Write::flush(&mut std::io::stderr());
+    let mut line = String::new();
+    let _ = std::io::BufRead::read_line(&mut std::io::stdin().lock(), &mut line);
+    if matches!(line.trim(), "y" | "Y" | "yes") {
+        Ok(())
+    } else {
+        Err(ops::OpsError::NotConfirmed("cancelled".into()))
+    }
+}
+
 /// GETs `path` from the relay's HTTP endpoint over plain HTTP/1.0; Ok with
 /// the body's first line when it answers 200.
 async fn ask_http(mut addr: std::net::SocketAddr, path: &str) -> anyhow::Result<String> {
@@ -143,7 +168,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     limit,
                     json,
                 } => {
-                    let v = ops::dead_letters(&client, &db.schema, &filter, limit).await?;
+                    let v = ops::dead_letters(&client, &db.schema, &filter.into(), limit).await?;
                     print_out(&v, json, |v| ops::dead_letters_text(v, false));
                 }
                 DeadLetterAction::Show { id, json, payload } => {
@@ -161,16 +186,18 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     });
                 }
                 DeadLetterAction::Retry { filter, yes, json } => {
+                    let filter = ops::Filter::from(filter);
                     ops::require_selection(&filter)?;
-                    ops::confirm("return the selected dead letters to the outbox?", yes)?;
+                    confirm("return the selected dead letters to the outbox?", yes)?;
                     let n = ops::retry(&client, &db.schema, &filter).await?;
                     print_out(&serde_json::json!({"retried": n}), json, |_| {
                         format!("{n} dead letters returned to the outbox\n")
                     });
                 }
                 DeadLetterAction::Discard { filter, yes, json } => {
+                    let filter = ops::Filter::from(filter);
                     ops::require_selection(&filter)?;
-                    ops::confirm("delete the selected dead letters for good?", yes)?;
+                    confirm("delete the selected dead letters for good?", yes)?;
                     let n = ops::discard(&client, &db.schema, &filter).await?;
                     print_out(&serde_json::json!({"discarded": n}), json, |_| {
                         format!("{n} dead letters discarded\n")

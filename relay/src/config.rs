@@ -123,6 +123,43 @@ pub enum Command {
     },
 }
 
+/// Which dead letters a `dead-letters` command acts on.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FilterArgs {
+    /// Only this message id.
+    #[arg(long)]
+    pub id: Option<uuid::Uuid>,
+    /// Only this ordering key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Only this destination.
+    #[arg(long)]
+    pub destination: Option<String>,
+    /// Only those dead-lettered at or after this time (RFC 3339, e.g. 2026-11-29T10:00:00Z).
+    #[arg(long, value_parser = parse_time)]
+    pub since: Option<std::time::SystemTime>,
+    /// Every dead letter (required by retry/discard when no other filter is given).
+    #[arg(long)]
+    pub all: bool,
+}
+
+fn parse_time(s: &str) -> Result<std::time::SystemTime, String> {
+    humantime::parse_rfc3339_weak(s)
+        .map_err(|e| format!("{e} (use RFC 3339, e.g. 2026-11-29T10:00:00Z)"))
+}
+
+impl From<FilterArgs> for crate::ops::Filter {
+    fn from(f: FilterArgs) -> Self {
+        crate::ops::Filter {
+            id: f.id,
+            key: f.key,
+            destination: f.destination,
+            since: f.since,
+            all: f.all,
+        }
+    }
+}
+
 /// `dead-letters` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum DeadLetterAction {
@@ -130,7 +167,7 @@ pub enum DeadLetterAction {
     List {
         /// Which ones.
         #[command(flatten)]
-        filter: crate::ops::Filter,
+        filter: FilterArgs,
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
@@ -154,7 +191,7 @@ pub enum DeadLetterAction {
     Retry {
         /// Which ones.
         #[command(flatten)]
-        filter: crate::ops::Filter,
+        filter: FilterArgs,
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
@@ -166,7 +203,7 @@ pub enum DeadLetterAction {
     Discard {
         /// Which ones.
         #[command(flatten)]
-        filter: crate::ops::Filter,
+        filter: FilterArgs,
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,

@@ -18,7 +18,10 @@ pub mod backoff;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod endpoints;
 pub mod engine;
+pub mod envelope;
+pub mod health;
 pub mod metrics;
 #[cfg(feature = "mutants")]
 pub mod mutants;
@@ -26,10 +29,12 @@ pub mod ops;
 pub mod publish;
 pub mod redact;
 pub mod source;
+pub mod supervise;
 
 use tokio_util::sync::CancellationToken;
 
-pub use engine::{Relay, Settings, Stats};
+pub use engine::{Relay, Settings};
+pub use health::Stats;
 
 /// Why the relay stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +108,12 @@ async fn serve_relay<P: publish::Publisher>(
     let stats = relay.stats();
     let mut helpers = Vec::new();
     if let Some(addr) = config.http_addr {
-        let listener = metrics::bind(addr).await?;
+        let listener = endpoints::bind(addr)
+            .await
+            .map_err(|e| config::ConfigError {
+                flag: "--http-addr",
+                reason: format!("cannot listen on {addr}: {e}"),
+            })?;
         let broker = match &config.broker {
             config::Broker::Amqp(_) => "amqp",
             config::Broker::Kafka(_) => "kafka",
@@ -118,15 +128,15 @@ async fn serve_relay<P: publish::Publisher>(
             .unwrap_or_default();
         tracing::info!(addr = %local, "serving /metrics, /healthz, /readyz");
         let stop = CancellationToken::new();
-        let db_gauges = metrics::SharedDbGauges::default();
-        helpers.push(tokio::spawn(metrics::serve(
+        let db_gauges = endpoints::SharedDbGauges::default();
+        helpers.push(tokio::spawn(endpoints::serve(
             listener,
             handle,
             std::sync::Arc::clone(&stats),
             std::sync::Arc::clone(&db_gauges),
             stop.clone(),
         )));
-        helpers.push(tokio::spawn(metrics::collect(
+        helpers.push(tokio::spawn(endpoints::collect(
             config.pg,
             config.schema,
             std::sync::Arc::clone(&stats),

@@ -15,7 +15,7 @@
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use crate::publish::Envelope;
+use crate::envelope::Envelope;
 
 /// A broken behaviour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,6 @@
 //! Each reads the outbox schema directly, so it works whether or not a relay is
 //! running, and prints either a human summary or `--json`.
 
-use std::io::{BufRead, IsTerminal, Write};
 use std::time::SystemTime;
 
 use outbox_client::SchemaName;
@@ -384,29 +383,20 @@ fn writeln_str(o: &mut String, line: &str) -> std::fmt::Result {
     writeln!(o, "{line}")
 }
 
-/// Which dead letters a command acts on.
-#[derive(Debug, Clone, Default, clap::Args)]
+/// Which dead letters a command acts on (the CLI's `--id`, `--key`,
+/// `--destination`, `--since`, `--all`).
+#[derive(Debug, Clone, Default)]
 pub struct Filter {
     /// Only this message id.
-    #[arg(long)]
     pub id: Option<Uuid>,
     /// Only this ordering key.
-    #[arg(long)]
     pub key: Option<String>,
     /// Only this destination.
-    #[arg(long)]
     pub destination: Option<String>,
-    /// Only those dead-lettered at or after this time (RFC 3339, e.g. 2026-11-29T10:00:00Z).
-    #[arg(long, value_parser = parse_time)]
+    /// Only those dead-lettered at or after this time.
     pub since: Option<SystemTime>,
     /// Every dead letter (required by retry/discard when no other filter is given).
-    #[arg(long)]
     pub all: bool,
-}
-
-fn parse_time(s: &str) -> Result<SystemTime, String> {
-    humantime::parse_rfc3339_weak(s)
-        .map_err(|e| format!("{e} (use RFC 3339, e.g. 2026-11-29T10:00:00Z)"))
 }
 
 impl Filter {
@@ -607,27 +597,6 @@ pub fn dead_letters_text(v: &serde_json::Value, detailed: bool) -> String {
         }
     }
     o
-}
-
-/// Asks "y/N" on the terminal unless `yes`; refuses when there is no terminal.
-pub fn confirm(prompt: &str, yes: bool) -> Result<(), OpsError> {
-    if yes {
-        return Ok(());
-    }
-    if !std::io::stdin().is_terminal() {
-        return Err(OpsError::NotConfirmed(format!(
-            "{prompt}: not a terminal, so not asking; pass --yes to proceed"
-        )));
-    }
-    eprint!("{prompt} [y/N] ");
-    let _ = std::io::stderr().flush();
-    let mut line = String::new();
-    let _ = std::io::stdin().lock().read_line(&mut line);
-    if matches!(line.trim(), "y" | "Y" | "yes") {
-        Ok(())
-    } else {
-        Err(OpsError::NotConfirmed("cancelled".into()))
-    }
 }
 
 /// Borrows boxed parameters in the form `execute` takes.

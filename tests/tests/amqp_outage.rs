@@ -8,7 +8,6 @@ use outbox_tests::check::check;
 use outbox_tests::db::TestDb;
 use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
-use std::sync::atomic::Ordering;
 
 async fn rabbitmqctl(args: &[&str]) {
     let status = tokio::process::Command::new("rabbitmqctl")
@@ -45,7 +44,9 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
     assert!(eventually(Duration::from_secs(60), || async { rabbit.count() > 200 }).await);
 
     rabbitmqctl(&["stop_app"]).await;
-    let failures_before = relay.stats.batch_failures.load(Ordering::Relaxed);
+    let failures_before = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
     tokio::time::sleep(Duration::from_secs(10)).await;
     let backlog_during_outage = db.pending().await;
     rabbitmqctl(&["start_app"]).await;
@@ -72,7 +73,10 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
     println!(
         "broker outage: {report}; backlog during outage {backlog_during_outage}; failed batches {}",
-        relay.stats.batch_failures.load(Ordering::Relaxed) - failures_before
+        relay
+            .stats
+            .counted(outbox_relay::health::Event::BatchFailed)
+            - failures_before
     );
     outbox_tests::check::record(
         env!("CARGO_TARGET_TMPDIR"),
@@ -87,7 +91,10 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
         "the outage should have built a backlog in Postgres"
     );
     assert!(
-        relay.stats.batch_failures.load(Ordering::Relaxed) > failures_before,
+        relay
+            .stats
+            .counted(outbox_relay::health::Event::BatchFailed)
+            > failures_before,
         "the relay should have seen the broker down"
     );
     // The relay survived the outage: it still stops cleanly on request.

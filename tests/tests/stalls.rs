@@ -748,8 +748,7 @@ async fn kafka_a_backlog_of_large_records_drains_without_repeats() {
     );
     let failures = relay
         .stats
-        .batch_failures
-        .load(std::sync::atomic::Ordering::Relaxed);
+        .counted(outbox_relay::health::Event::BatchFailed);
     assert_eq!(failures, 0, "no batch failed as a whole");
     let mut seen: HashMap<String, usize> = HashMap::new();
     for r in kafka.records() {

@@ -29,9 +29,7 @@ use super::cloudevents::CloudEvents;
 use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
 use crate::redact::redact_url;
 
-/// Name accepted as an alias of the default exchange (`""`), which an outbox
-/// client refuses as an empty destination.
-pub const DEFAULT_EXCHANGE_ALIAS: &str = "amq.default";
+pub use crate::envelope::DEFAULT_EXCHANGE_ALIAS;
 
 /// How long a positive exchange check is trusted before it is made again.
 const EXCHANGE_CHECK_TTL: Duration = Duration::from_secs(30);
@@ -90,14 +88,6 @@ impl std::fmt::Debug for AmqpPublisher {
         f.debug_struct("AmqpPublisher")
             .field("settings", &self.settings)
             .finish_non_exhaustive()
-    }
-}
-
-pub(crate) fn exchange_name(destination: &str) -> &str {
-    if destination == DEFAULT_EXCHANGE_ALIAS {
-        ""
-    } else {
-        destination
     }
 }
 
@@ -249,7 +239,7 @@ impl AmqpPublisher {
             let seen = self.exchanges_seen.lock().await;
             batch
                 .iter()
-                .map(|e| exchange_name(&e.destination))
+                .map(|e| e.amqp_exchange())
                 .filter(|x| !x.is_empty())
                 .filter(|x| {
                     seen.get(*x)
@@ -482,7 +472,7 @@ impl Publisher for AmqpPublisher {
                 )));
                 continue;
             }
-            let exchange = exchange_name(&env.destination);
+            let exchange = env.amqp_exchange();
             let checked = if missing.contains(exchange) {
                 Err(Rejection::retryable(format!(
                     "exchange {exchange:?} does not exist"

@@ -7,41 +7,13 @@
 //! [`Rejection`] for that message, or a [`PublishError`] for the whole batch.
 
 use std::future::Future;
-use std::time::SystemTime;
 
-use uuid::Uuid;
+pub use crate::envelope::{Envelope, Receipt};
 
 pub mod amqp;
 pub mod cloudevents;
 pub mod kafka;
 pub mod memory;
-
-/// One claimed outbox row, as handed to a publisher.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Envelope {
-    /// The row's insertion order in the outbox.
-    pub seq: i64,
-    /// The stable message id stamped on every attempt.
-    pub message_id: Uuid,
-    /// AMQP exchange or Kafka topic; `""` is AMQP's default exchange.
-    pub destination: String,
-    /// Per-key ordering; the Kafka record key.
-    pub ordering_key: Option<String>,
-    /// AMQP routing key.
-    pub routing_key: String,
-    /// The row's own headers, in name order.
-    pub headers: Vec<(String, String)>,
-    /// The payload bytes, passed through untouched.
-    pub payload: Vec<u8>,
-    /// MIME content type, if the row has one.
-    pub content_type: Option<String>,
-    /// The event type, if the row has one: the CloudEvents `type`.
-    pub event_type: Option<String>,
-    /// When the row was written.
-    pub created_at: SystemTime,
-    /// Failed attempts so far.
-    pub attempts: i32,
-}
 
 /// Why the broker did not accept one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,46 +38,6 @@ impl Rejection {
         Rejection {
             reason: reason.into(),
             permanent: true,
-        }
-    }
-}
-
-/// What the broker said when it took a message: kept with the row in
-/// retention mode (`--retention`) and shown by `outbox-relay locate`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Receipt {
-    /// A RabbitMQ publisher confirm: an Ack with no `basic.return` before it.
-    Amqp,
-    /// A Kafka delivery report without error.
-    Kafka {
-        /// The partition the record was written to.
-        partition: i32,
-        /// Its offset in that partition.
-        offset: i64,
-    },
-    /// The in-memory publisher's acceptance (tests and embedders).
-    Memory,
-}
-
-impl Receipt {
-    /// The receipt of `env` as stored in the `published.receipt` column. Where
-    /// the message went comes from the envelope, so a receipt costs no
-    /// allocation unless retention asks for it.
-    pub fn to_json(&self, env: &Envelope) -> serde_json::Value {
-        match self {
-            Receipt::Amqp => serde_json::json!({
-                "broker": "rabbitmq",
-                "confirm": "ack",
-                "exchange": amqp::exchange_name(&env.destination),
-                "routing_key": env.routing_key,
-            }),
-            Receipt::Kafka { partition, offset } => serde_json::json!({
-                "broker": "kafka",
-                "topic": env.destination,
-                "partition": partition,
-                "offset": offset,
-            }),
-            Receipt::Memory => serde_json::json!({ "broker": "memory" }),
         }
     }
 }

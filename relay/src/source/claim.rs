@@ -20,7 +20,7 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Row, Statement, Transaction};
 use uuid::Uuid;
 
-use crate::publish::{Envelope, Receipt};
+use crate::envelope::{Envelope, Receipt};
 
 /// The statements a worker runs for every batch, prepared once per connection:
 /// Postgres parses them once per session instead of once per batch.

@@ -18,7 +18,7 @@ use tokio_postgres::AsyncMessage;
 use super::Database;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
+use crate::supervise::supervise;
 
 /// Keeps a LISTEN connection open until `shutdown`, reconnecting with capped
 /// backoff. Each notification wakes one waiting worker; if none waits, the
@@ -30,20 +30,14 @@ pub async fn run(
     reconnect_max: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(100), reconnect_max);
-    while !shutdown.is_cancelled() {
-        match listen_once(&config, &channel, &wake, &shutdown).await {
-            Ok(()) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "listen connection lost; polling continues meanwhile");
-            }
-        }
-
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(backoff.next_delay()) => {}
-        }
-    }
+    supervise(
+        Duration::from_millis(100),
+        reconnect_max,
+        &shutdown,
+        || listen_once(&config, &channel, &wake, &shutdown),
+        |e| tracing::warn!(error = %e, "listen connection lost; polling continues meanwhile"),
+    )
+    .await;
 }
 
 async fn listen_once(

@@ -27,10 +27,7 @@ use tokio_postgres::Client;
 use super::Database;
 use tokio_util::sync::CancellationToken;
 
-use std::sync::atomic::Ordering;
-
-use crate::backoff::Backoff;
-use crate::engine::Stats;
+use crate::supervise::supervise;
 
 /// Number of virtual partitions; fixed by the schema (migration V2).
 pub const PARTITIONS: i16 = 64;
@@ -84,6 +81,28 @@ pub struct OwnershipSettings {
     pub lease: Duration,
 }
 
+/// What this replica says about itself in its heartbeat (the `replicas`
+/// table, which `status` reads).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// Rows claimed and not yet settled.
+    pub in_flight: i64,
+    /// Messages published since start.
+    pub published: u64,
+    /// Since when the broker has been unreachable, and why.
+    pub broker_down: Option<(std::time::SystemTime, String)>,
+}
+
+/// The replica's side of ownership: what goes into each heartbeat, and
+/// where ownership says whether its session is up. Implemented by the
+/// relay's health state; ownership knows nothing else of the relay.
+pub trait ReplicaReport: Send + Sync + 'static {
+    /// This replica's figures for the next heartbeat.
+    fn heartbeat(&self) -> Heartbeat;
+    /// The ownership session came up (true) or went down (false).
+    fn set_owner_up(&self, up: bool);
+}
+
 /// Keeps this replica's share of partitions until `shutdown`, publishing the
 /// owned set through `owned`. While the ownership session is down, the set is
 /// empty and the replica claims nothing.
@@ -92,27 +111,26 @@ pub async fn run(
     schema: SchemaName,
     settings: OwnershipSettings,
     owned: watch::Sender<Arc<Vec<i16>>>,
-    stats: Arc<Stats>,
+    report: Arc<impl ReplicaReport>,
     reconnect_max: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(100), reconnect_max);
-    while !shutdown.is_cancelled() {
-        let result = own(&pg, &schema, &settings, &owned, &stats, &shutdown).await;
+    let session = || async {
+        let result = own(&pg, &schema, &settings, &owned, report.as_ref(), &shutdown).await;
+        // Whatever ended the session, this replica owns nothing now.
         owned.send_replace(Arc::new(Vec::new()));
-        stats.owner_up.store(false, Ordering::Relaxed);
+        report.set_owner_up(false);
         metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(0.0);
-        match result {
-            Ok(()) => return,
-            Err(e) => {
-                tracing::warn!(error = %super::PgError(&e), "ownership session lost; claiming nothing until it is back")
-            }
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(backoff.next_delay()) => {}
-        }
-    }
+        result
+    };
+    supervise(
+        Duration::from_millis(100),
+        reconnect_max,
+        &shutdown,
+        session,
+        |e| tracing::warn!(error = %super::PgError(e), "ownership session lost; claiming nothing until it is back"),
+    )
+    .await;
 }
 
 async fn own(
@@ -120,7 +138,7 @@ async fn own(
     schema: &SchemaName,
     settings: &OwnershipSettings,
     owned: &watch::Sender<Arc<Vec<i16>>>,
-    stats: &Stats,
+    report: &impl ReplicaReport,
     shutdown: &CancellationToken,
 ) -> Result<(), tokio_postgres::Error> {
     let (client, connection) = pg.connect().await?;
@@ -160,7 +178,7 @@ async fn own(
         )
         .await?;
     tracing::info!(slot, "replica registered");
-    stats.owner_up.store(true, Ordering::Relaxed);
+    report.set_owner_up(true);
 
     let tick = settings.lease / 5;
     let mut mine: Vec<i16> = Vec::new();
@@ -182,12 +200,13 @@ async fn own(
             }
             _ = interval.tick() => {}
         }
-        let (down_since, down_error) = match stats.broker_down() {
+        let beat = report.heartbeat();
+        let (down_since, down_error) = match beat.broker_down {
             Some((since, e)) => (Some(since), Some(e)),
             None => (None, None),
         };
-        let in_flight = i32::try_from(stats.in_flight.load(Ordering::Relaxed)).unwrap_or(i32::MAX);
-        let published = i64::try_from(stats.published.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
+        let in_flight = i32::try_from(beat.in_flight).unwrap_or(i32::MAX);
+        let published = i64::try_from(beat.published).unwrap_or(i64::MAX);
         client
             .execute(
                 &format!(

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::claim::Queries;
-use crate::backoff::Backoff;
+use crate::supervise::{sleep_or_cancel, supervise};
 
 /// How often expired rows are looked for: a tenth of the retention, between
 /// one second and one minute.
@@ -28,33 +28,38 @@ pub async fn run(
     reconnect_max: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), reconnect_max);
-    while !shutdown.is_cancelled() {
-        let client = match super::connect(&pg, Duration::from_secs(60)).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::debug!(error = %super::PgError(&e), "retention cleanup cannot reach postgres");
-                if crate::engine::sleep_or_cancel(backoff.next_delay(), &shutdown).await {
-                    return;
-                }
-                continue;
-            }
-        };
-        backoff.reset();
+    // A session: connect, then purge every interval until an error or
+    // shutdown. Cannot-connect is quiet (the workers report Postgres); a
+    // failed purge is worth a line.
+    let session = || async {
+        let client = super::connect(&pg, Duration::from_secs(60))
+            .await
+            .map_err(|e| (false, e))?;
         loop {
             match purge_expired(&client, &queries, retention, batch, &shutdown).await {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(deleted = n, "published rows past retention deleted"),
-                Err(e) => {
-                    tracing::warn!(error = %super::PgError(&e), "retention cleanup failed; reconnecting");
-                    break;
-                }
+                Err(e) => return Err((true, e)),
             }
-            if crate::engine::sleep_or_cancel(interval(retention), &shutdown).await {
-                return;
+            if sleep_or_cancel(interval(retention), &shutdown).await {
+                return Ok(());
             }
         }
-    }
+    };
+    supervise(
+        Duration::from_millis(200),
+        reconnect_max,
+        &shutdown,
+        session,
+        |(connected, e): &(bool, tokio_postgres::Error)| {
+            if *connected {
+                tracing::warn!(error = %super::PgError(e), "retention cleanup failed; reconnecting");
+            } else {
+                tracing::debug!(error = %super::PgError(e), "retention cleanup cannot reach postgres");
+            }
+        },
+    )
+    .await;
 }
 
 /// One pass: batches until fewer than `batch` rows were due.

@@ -23,7 +23,6 @@
 //! Figures are reported as msgs/s and as a ratio to the raw publisher, since
 //! absolute numbers move with whatever else the machine is doing.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -190,7 +189,7 @@ async fn drain_with(
 ) -> f64 {
     let published = |rs: &[outbox_tests::InProcessRelay]| {
         rs.iter()
-            .map(|r| r.stats.published.load(Ordering::Relaxed))
+            .map(|r| r.stats.counted(outbox_relay::health::Event::Published))
             .sum::<u64>()
     };
     let mut first = None;

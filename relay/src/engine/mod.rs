@@ -1,0 +1,295 @@
+//! The relay loop: claim a batch, publish it, settle it, repeat.
+//!
+//! `pipeline + 1` workers run the loop side by side, each on its own Postgres
+//! connection. At most `pipeline` batches are at the broker at once (a
+//! semaphore, the confirm window); a slot frees as soon as the broker has
+//! answered, so the extra worker's batch, claimed meanwhile, goes out while
+//! the answered one settles, and the broker never waits on a claim or a
+//! settle. Every worker holds one batch at most, so a crash repeats at most
+//! `pipeline + 1` batches. Row locks keep the workers apart; the claim's
+//! head-of-key rule keeps each key's rows in order across them (see
+//! [`crate::source::claim`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_client::SchemaName;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::backoff::Backoff;
+use crate::health::{Event, Stats};
+use crate::publish::Publisher;
+use crate::source::claim::Queries;
+use crate::source::ownership::{self, OwnershipSettings};
+use crate::source::{self, listener, retention, Database};
+use crate::Error;
+
+mod plan;
+mod worker;
+
+use worker::{Idle, Worker};
+
+/// How the relay loop behaves; see the `run` flags for what each default means.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Rows claimed and published per batch.
+    pub batch_size: i64,
+    /// Payload bytes per batch: a claim stops adding rows when the next one
+    /// would pass this (a single larger row still goes, alone).
+    pub batch_max_bytes: i64,
+    /// Batches at the broker awaiting confirms at once (the confirm window);
+    /// pipeline + 1 workers claim and settle around them, so at most
+    /// pipeline + 1 batches are published and not yet settled.
+    pub pipeline: usize,
+    /// Longest pause between claims while the outbox is idle. Claims run back
+    /// to back while they come back full; after a claim that was not full the
+    /// pause is `poll_min`, and it doubles with every empty claim up to this.
+    pub poll_interval: Duration,
+    /// Shortest pause between claims: after one that took less than a full
+    /// batch, so that a trickle is sent in batches of a few, not of one.
+    pub poll_min: Duration,
+    /// First retry delay of a message the broker rejected.
+    pub retry_base: Duration,
+    /// Longest retry delay of a rejected message.
+    pub retry_max: Duration,
+    /// Longest wait between reconnect attempts.
+    pub reconnect_max: Duration,
+    /// How long a batch may finish after shutdown is requested before it is
+    /// abandoned (its rows are then published again by the next run).
+    pub shutdown_grace: Duration,
+    /// Upper bound on how long a stalled relay keeps its claimed rows locked.
+    pub hold_limit: Duration,
+    /// Broker rejections after which a message moves to the dead letters.
+    pub max_attempts: i32,
+    /// Whether a dead-lettered message holds back the later messages of its key.
+    pub park_on_dead_letter: bool,
+    /// How long a silent replica keeps its partitions (failover bound).
+    pub lease: Duration,
+    /// Keep published rows this long with their receipts; `None` deletes them
+    /// on confirm.
+    pub retention: Option<Duration>,
+    /// Rows per delete statement of the retention cleanup.
+    pub retention_cleanup_batch: i64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            batch_size: 500,
+            batch_max_bytes: 8 * 1024 * 1024,
+            pipeline: 3,
+            poll_interval: Duration::from_millis(50),
+            poll_min: Duration::from_millis(5),
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            reconnect_max: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(5),
+            hold_limit: Duration::from_secs(60),
+            max_attempts: 10,
+            park_on_dead_letter: true,
+            lease: Duration::from_secs(5),
+            retention: None,
+            retention_cleanup_batch: 1000,
+        }
+    }
+}
+
+/// A relay for one outbox schema and one broker.
+pub struct Relay<P: Publisher> {
+    pg: Database,
+    schema: SchemaName,
+    publisher: Arc<P>,
+    settings: Settings,
+    stats: Arc<Stats>,
+}
+
+impl<P: Publisher> Relay<P> {
+    /// A relay reading `schema` through `pg` and publishing with `publisher`.
+    ///
+    /// A plain `tokio_postgres::Config` connects without TLS unless it requires
+    /// TLS; see [`Database`] for verified TLS from a connection string.
+    pub fn new(
+        pg: impl Into<Database>,
+        schema: SchemaName,
+        publisher: P,
+        settings: Settings,
+    ) -> Self {
+        Relay {
+            pg: pg.into(),
+            schema,
+            publisher: Arc::new(publisher),
+            settings,
+            stats: Arc::new(Stats::default()),
+        }
+    }
+
+    /// The relay's counters.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// The publisher, e.g. to inspect an in-memory one in tests.
+    pub fn publisher(&self) -> Arc<P> {
+        Arc::clone(&self.publisher)
+    }
+
+    /// Runs until `shutdown` is cancelled, then lets in-flight batches finish
+    /// (up to the shutdown grace), closes the broker connection and returns.
+    ///
+    /// Fails only when the outbox schema is missing; lost connections to Postgres
+    /// or the broker are retried with capped backoff for as long as it runs.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let queries = Queries::new(
+            &self.schema,
+            self.settings.park_on_dead_letter,
+            self.settings.retention.is_some(),
+        );
+        self.wait_for_schema(&queries, &shutdown).await?;
+
+        let (owned_tx, owned) = watch::channel(Arc::new(Vec::new()));
+
+        let idle = Idle::default();
+        let tracker = TaskTracker::new();
+        tracker.spawn(listener::run(
+            self.pg.clone(),
+            self.schema.notify_channel(),
+            Arc::clone(&idle.work),
+            self.settings.reconnect_max,
+            shutdown.clone(),
+        ));
+        tracker.spawn(ownership::run(
+            self.pg.clone(),
+            self.schema.clone(),
+            OwnershipSettings {
+                lease: self.settings.lease,
+            },
+            owned_tx,
+            Arc::clone(&self.stats),
+            self.settings.reconnect_max,
+            shutdown.clone(),
+        ));
+        tracker.spawn(probe_broker(
+            Arc::clone(&self.publisher),
+            Arc::clone(&self.stats),
+            shutdown.clone(),
+        ));
+        // Exported from the start, so a dashboard reads 0 rather than nothing.
+        metrics::counter!(crate::metrics::RETENTION_DELETED).increment(0);
+        if let Some(retention) = self.settings.retention {
+            tracker.spawn(retention::run(
+                self.pg.clone(),
+                queries.clone(),
+                retention,
+                self.settings.retention_cleanup_batch,
+                self.settings.reconnect_max,
+                shutdown.clone(),
+            ));
+        }
+        let pipeline = self.settings.pipeline.max(1);
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
+        let payload_budget_kib = self.payload_budget_kib();
+        let payload_budget = Arc::new(tokio::sync::Semaphore::new(payload_budget_kib as usize));
+        for id in 0..=pipeline {
+            let worker = Worker {
+                idle: idle.clone(),
+                in_flight: Arc::clone(&in_flight),
+                payload_budget: Arc::clone(&payload_budget),
+                payload_budget_kib,
+                id,
+                owned: owned.clone(),
+                pg: self.pg.clone(),
+                queries: queries.clone(),
+                publisher: Arc::clone(&self.publisher),
+                settings: self.settings.clone(),
+                stats: Arc::clone(&self.stats),
+            };
+            tracker.spawn(worker.run(shutdown.clone()));
+        }
+        tracing::info!(schema = %self.schema, pipeline = self.settings.pipeline, batch_size = self.settings.batch_size, "relay running");
+        tracker.close();
+        tracker.wait().await;
+        self.publisher.close().await;
+        tracing::info!(
+            published = self.stats.counted(Event::Published),
+            "relay stopped"
+        );
+        Ok(())
+    }
+
+    /// The shared payload budget in KiB: one batch's byte limit per worker.
+    fn payload_budget_kib(&self) -> u32 {
+        let workers = self.settings.pipeline.max(1) as i64 + 1;
+        let kib = self.settings.batch_max_bytes.max(1).saturating_mul(workers) / 1024;
+        // tokio's semaphore holds at most usize::MAX >> 3 permits.
+        u32::try_from(kib)
+            .unwrap_or(u32::MAX >> 4)
+            .clamp(1, u32::MAX >> 4)
+    }
+
+    /// Waits for Postgres to answer, then fails fast if the outbox is missing.
+    async fn wait_for_schema(
+        &self,
+        queries: &Queries,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error> {
+        let mut backoff = Backoff::new(Duration::from_millis(200), self.settings.reconnect_max);
+        let mut said = false;
+        loop {
+            match source::connect(&self.pg, self.settings.hold_limit).await {
+                Ok(client) => {
+                    source::check_session(&self.pg).await?;
+                    return queries
+                        .check_schema(&client)
+                        .await
+                        .map_err(|e| Error::SchemaMissing {
+                            schema: self.schema.to_string(),
+                            cause: e,
+                        });
+                }
+                // At start-up, an error that repeats until someone fixes the
+                // configuration (password, user, database) stops the relay
+                // with the server's message; one a restarting server gives
+                // is waited out, said once. Once running, every connection
+                // error is retried: a running relay never exits on its own.
+                Err(e) if !source::worth_waiting_for(&e) => return Err(Error::Postgres(e)),
+                Err(e) => {
+                    if !said {
+                        tracing::warn!(error = %source::PgError(&e), "cannot reach postgres; waiting for it");
+                        said = true;
+                    } else {
+                        tracing::debug!(error = %source::PgError(&e), "postgres still unreachable");
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Checks the broker every 2 s so readiness reflects an outage even while no
+/// batch is in flight to notice it.
+async fn probe_broker<P: Publisher>(
+    publisher: Arc<P>,
+    stats: Arc<Stats>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let answer = tokio::time::timeout(Duration::from_secs(5), publisher.ready()).await;
+        match answer {
+            Ok(Ok(())) => stats.note_broker_probe(None),
+            Ok(Err(e)) => stats.note_broker_probe(Some(&e)),
+            Err(_) => stats.note_broker_probe(Some(&crate::publish::PublishError::msg(
+                "broker did not answer a probe within 5s",
+            ))),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! The pure part of a batch: which messages may go to the broker together
+//! (waves), and what to do with each row once the broker has answered
+//! (settle). No I/O but the publisher call; unit-tested below.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use super::Settings;
+use crate::backoff::delay_for;
+use crate::envelope::{Envelope, Receipt};
+use crate::publish::{Outcome, Publisher};
+
+/// What to do with each row of a published batch.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct SettlePlan<'a> {
+    /// Confirmed rows, with what the broker said.
+    pub(super) published: Vec<(&'a Envelope, Receipt)>,
+    pub(super) failed: Vec<(i64, String, Duration)>,
+    pub(super) dead: Vec<(i64, String)>,
+    pub(super) held: usize,
+}
+
+/// Which wave each message of `batch` goes out in. A key's messages stay in one
+/// wave while they share a lane; a lane change moves the rest of the key to the
+/// next wave. Messages without a key all go in the first.
+pub(super) fn plan_waves<P: Publisher>(publisher: &P, batch: &[Envelope]) -> Vec<usize> {
+    let mut last: std::collections::HashMap<&str, (usize, usize)> =
+        std::collections::HashMap::new();
+    batch
+        .iter()
+        .enumerate()
+        .map(|(i, env)| {
+            let Some(key) = env.ordering_key.as_deref() else {
+                return 0;
+            };
+            let wave = match last.get(key) {
+                None => 0,
+                Some(&(prev, w)) if publisher.same_lane(&batch[prev], env) => w,
+                Some(&(_, w)) => w + 1,
+            };
+            last.insert(key, (i, wave));
+            wave
+        })
+        .collect()
+}
+
+/// Publishes `batch` wave by wave (usually one wave): a wave goes out only after
+/// the previous one is answered, and a key refused in one wave sends nothing in
+/// later ones. `None` marks a message held back unsent.
+pub(super) async fn publish_in_waves<P: Publisher>(
+    publisher: &P,
+    batch: &[Envelope],
+) -> Result<Vec<Option<Outcome>>, crate::publish::PublishError> {
+    let waves = plan_waves(publisher, batch);
+    let last_wave = waves.iter().copied().max().unwrap_or(0);
+    if last_wave == 0 {
+        return Ok(publisher
+            .publish(batch)
+            .await?
+            .into_iter()
+            .map(Some)
+            .collect());
+    }
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+    let mut refused: HashSet<&str> = HashSet::new();
+    for wave in 0..=last_wave {
+        let members: Vec<usize> = (0..batch.len())
+            .filter(|&i| waves[i] == wave)
+            .filter(|&i| {
+                batch[i]
+                    .ordering_key
+                    .as_deref()
+                    .is_none_or(|k| !refused.contains(k))
+            })
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        let sub: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
+        let answers = publisher.publish(&sub).await?;
+        for (&i, answer) in members.iter().zip(answers) {
+            if answer.is_err() {
+                if let Some(k) = batch[i].ordering_key.as_deref() {
+                    refused.insert(k);
+                }
+            }
+            outcomes[i] = Some(answer);
+        }
+    }
+    Ok(outcomes)
+}
+
+/// Confirmed rows are deleted, rejected ones get an attempt recorded and a
+/// backoff. Once a row of a key is rejected, the key's later rows are left as
+/// they are: unsent ones (`None`) wait, and confirmed ones — possible only if the
+/// broker refused one message of a lane and accepted the next — are not deleted
+/// either, so they are published again after the refused one.
+pub(super) fn settle_plan<'a>(
+    batch: &'a [Envelope],
+    outcomes: &[Option<Outcome>],
+    settings: &Settings,
+) -> SettlePlan<'a> {
+    let mut plan = SettlePlan::default();
+    let mut blocked: HashSet<&str> = HashSet::new();
+    for (env, outcome) in batch.iter().zip(outcomes) {
+        if let Some(key) = env.ordering_key.as_deref() {
+            if blocked.contains(key) {
+                plan.held += 1;
+                continue;
+            }
+        }
+        let Some(outcome) = outcome else {
+            plan.held += 1;
+            continue;
+        };
+        match outcome {
+            Ok(receipt) => plan.published.push((env, *receipt)),
+            Err(rejection) => {
+                if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
+                    plan.dead.push((env.seq, rejection.reason.clone()));
+                } else {
+                    let attempt = u32::try_from(env.attempts).unwrap_or(0);
+                    let delay = delay_for(settings.retry_base, settings.retry_max, attempt);
+                    plan.failed.push((env.seq, rejection.reason.clone(), delay));
+                }
+                if let Some(key) = env.ordering_key.as_deref() {
+                    blocked.insert(key);
+                }
+            }
+        }
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::publish::Rejection;
+    use std::time::SystemTime;
+
+    fn env(seq: i64, key: Option<&str>) -> Envelope {
+        Envelope {
+            seq,
+            message_id: uuid::Uuid::now_v7(),
+            destination: "d".into(),
+            ordering_key: key.map(str::to_owned),
+            routing_key: String::new(),
+            headers: vec![],
+            payload: vec![],
+            content_type: None,
+            event_type: None,
+            created_at: SystemTime::now(),
+            attempts: 0,
+        }
+    }
+
+    fn seqs(published: &[(&Envelope, Receipt)]) -> Vec<i64> {
+        published.iter().map(|p| p.0.seq).collect()
+    }
+
+    fn routed(seq: i64, key: &str, rk: &str) -> Envelope {
+        Envelope {
+            routing_key: rk.into(),
+            ..env(seq, Some(key))
+        }
+    }
+
+    #[test]
+    fn a_lane_change_starts_a_new_wave_for_that_key_only() {
+        let p = crate::publish::memory::MemoryPublisher::new();
+        let batch = vec![
+            routed(1, "a", "x"),
+            routed(2, "b", "x"),
+            routed(3, "a", "x"),
+            routed(4, "a", "y"),
+            env(5, None),
+            routed(6, "a", "y"),
+            routed(7, "a", "x"),
+        ];
+        assert_eq!(plan_waves(&p, &batch), vec![0, 0, 0, 1, 0, 1, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_refused_message_is_never_overtaken_across_lanes() {
+        let p = crate::publish::memory::MemoryPublisher::new();
+        p.reject_destination("poison", Rejection::retryable("no route"));
+        let first = Envelope {
+            destination: "poison".into(),
+            ..env(1, Some("k"))
+        };
+        let batch = vec![first, env(2, Some("k")), env(3, Some("other"))];
+        let outcomes = publish_in_waves(&p, &batch).await.expect("published");
+        assert!(matches!(outcomes[0], Some(Err(_))));
+        assert!(outcomes[1].is_none(), "k's second message must not be sent");
+        assert!(matches!(outcomes[2], Some(Ok(_))));
+        let sent: Vec<i64> = p.published().iter().map(|e| e.seq).collect();
+        assert_eq!(sent, vec![3]);
+        let plan = settle_plan(&batch, &outcomes, &Settings::default());
+        assert_eq!(seqs(&plan.published), vec![3]);
+        assert_eq!(plan.held, 1);
+    }
+
+    #[test]
+    fn a_rejection_holds_back_the_rest_of_its_key_only() {
+        let batch = vec![
+            env(1, Some("a")),
+            env(2, Some("b")),
+            env(3, Some("a")),
+            env(4, None),
+            env(5, Some("a")),
+            env(6, Some("b")),
+        ];
+        let outcomes: Vec<Option<Outcome>> = vec![
+            Err(Rejection::retryable("no route")),
+            Ok(Receipt::Memory),
+            Ok(Receipt::Memory),
+            Err(Rejection::retryable("nack")),
+            Ok(Receipt::Memory),
+            Ok(Receipt::Memory),
+        ]
+        .into_iter()
+        .map(Some)
+        .collect();
+        let plan = settle_plan(&batch, &outcomes, &Settings::default());
+        assert_eq!(seqs(&plan.published), vec![2, 6]);
+        assert_eq!(
+            plan.failed.iter().map(|f| f.0).collect::<Vec<_>>(),
+            vec![1, 4]
+        );
+        assert_eq!(plan.held, 2);
+    }
+
+    #[test]
+    fn permanent_rejections_and_exhausted_attempts_go_to_dead_letters() {
+        let settings = Settings::default();
+        let mut tired = env(2, Some("k"));
+        tired.attempts = settings.max_attempts - 1;
+        let batch = [env(1, None), tired, env(3, None)];
+        let plan = settle_plan(
+            &batch,
+            &[
+                Some(Err(Rejection::permanent("too large"))),
+                Some(Err(Rejection::retryable("no route"))),
+                Some(Err(Rejection::retryable("no route"))),
+            ],
+            &settings,
+        );
+        assert_eq!(
+            plan.dead.iter().map(|d| d.0).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert_eq!(plan.failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![3]);
+    }
+}

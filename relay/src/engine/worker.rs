@@ -1,0 +1,430 @@
+//! One worker's loop: claim a batch, publish it in waves, settle it, and
+//! decide how long to pause; plus what it records about each batch.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+use super::plan::{publish_in_waves, settle_plan, SettlePlan};
+use super::Settings;
+use crate::backoff::Backoff;
+use crate::envelope::Envelope;
+use crate::health::{Event, Stats};
+use crate::publish::Publisher;
+use crate::source::claim::{ClaimLimits, Prepared, Queries};
+use crate::source::ownership::Owned;
+use crate::source::{self, Database};
+use crate::supervise::sleep_or_cancel;
+
+pub(super) struct Worker<P: Publisher> {
+    pub(super) id: usize,
+    pub(super) idle: Idle,
+    pub(super) owned: Owned,
+    pub(super) pg: Database,
+    pub(super) queries: Queries,
+    pub(super) publisher: Arc<P>,
+    pub(super) settings: Settings,
+    pub(super) stats: Arc<Stats>,
+    /// The confirm window: `pipeline` slots, each held by a batch from its
+    /// publish until the broker has answered.
+    pub(super) in_flight: Arc<tokio::sync::Semaphore>,
+    /// The payload bytes all claimed batches share, in KiB: (pipeline + 1) x
+    /// `batch_max_bytes`. A batch holds its share from claim to settle, so a
+    /// message larger than one batch's limit (it goes alone) cannot be held
+    /// by every worker at once.
+    pub(super) payload_budget: Arc<tokio::sync::Semaphore>,
+    /// The budget's size in KiB.
+    pub(super) payload_budget_kib: u32,
+}
+
+/// KiB of the shared payload budget a batch of `bytes` takes (at least 1, at
+/// most the whole budget).
+fn budget_share(bytes: usize, budget_kib: u32) -> u32 {
+    u32::try_from(bytes.div_ceil(1024))
+        .unwrap_or(u32::MAX)
+        .clamp(1, budget_kib.max(1))
+}
+
+enum BatchEnd {
+    /// Nothing to publish; `behind` when rows are waiting behind another
+    /// batch in flight (older rows of their keys), so work will be there as
+    /// soon as it settles.
+    Empty { behind: bool },
+    /// A batch was settled; `more` when more is probably waiting: the claim
+    /// took as much as a batch may hold, or left rows behind another batch.
+    Settled { more: bool },
+}
+
+/// How the workers share the waiting while the outbox is idle: one of them at
+/// a time (the holder of `poller`) claims at pauses that grow from
+/// `poll_min` to `poll_interval`; the others stand by until `work` hands
+/// them something. A full batch, a notification (NOTIFY) or an ownership
+/// change wakes one more worker, never all of them for one row.
+#[derive(Clone, Default)]
+pub(super) struct Idle {
+    pub(super) poller: Arc<tokio::sync::Mutex<()>>,
+    pub(super) work: Arc<tokio::sync::Notify>,
+    /// Held by the worker whose claim is running. Two claims of one relay at
+    /// once would each lock rows the other then finds blocked behind them
+    /// (older rows of the same keys): with a few hot keys every claim came
+    /// back empty while the rows piled up. One at a time, each claim takes
+    /// what the batches in flight left free.
+    pub(super) claiming: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// How long a standing-by worker waits at least before it claims anyway (or
+/// the poll interval, if longer): a floor under every hand-off, in case one
+/// is missed.
+const STANDBY_RECHECK: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+enum BatchError {
+    #[error("postgres: {}", source::PgError(.0))]
+    Postgres(tokio_postgres::Error),
+    #[error("broker: {0}")]
+    Publish(#[from] crate::publish::PublishError),
+}
+
+impl From<tokio_postgres::Error> for BatchError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        BatchError::Postgres(e)
+    }
+}
+
+impl<P: Publisher> Worker<P> {
+    pub(super) async fn run(mut self, shutdown: CancellationToken) {
+        let mut reconnect = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
+        let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
+        let mut idle = Backoff::new(self.settings.poll_min, self.settings.poll_interval);
+        'connect: while !shutdown.is_cancelled() {
+            let mut client = match source::connect(&self.pg, self.settings.hold_limit).await {
+                Ok(c) => {
+                    self.stats.note_postgres(self.id, None);
+                    c
+                }
+                Err(e) => {
+                    self.stats.note_postgres(self.id, Some(&e));
+                    if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let prepared = match self.queries.prepare(&client).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(worker = self.id, error = %source::PgError(&e), "cannot prepare the claim; retrying");
+                    if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            reconnect.reset();
+            while !shutdown.is_cancelled() {
+                match self
+                    .batch_until_grace(&mut client, &prepared, &shutdown)
+                    .await
+                {
+                    Some(Ok(BatchEnd::Settled { more: true })) => {
+                        broker.reset();
+                        idle.reset();
+                        // Probably more waiting: bring one more worker in.
+                        self.idle.work.notify_one();
+                    }
+                    Some(Ok(BatchEnd::Settled { more: false })) => {
+                        broker.reset();
+                        idle.reset();
+                        self.pause(idle.next_delay(), &shutdown).await;
+                    }
+                    Some(Ok(BatchEnd::Empty { behind: true })) => {
+                        // The batch ahead hands work over when it settles;
+                        // the pause is only a floor under that.
+                        broker.reset();
+                        self.pause(idle.next_delay(), &shutdown).await;
+                    }
+                    Some(Ok(BatchEnd::Empty { behind: false })) => {
+                        broker.reset();
+                        match self.idle.poller.clone().try_lock_owned() {
+                            Ok(_polling) => self.pause(idle.next_delay(), &shutdown).await,
+                            Err(_) => {
+                                let standby = self.settings.poll_interval.max(STANDBY_RECHECK);
+                                self.pause(standby, &shutdown).await
+                            }
+                        }
+                    }
+                    Some(Err(BatchError::Publish(e))) => {
+                        // Stats::note_broker logged the change of state.
+                        tracing::debug!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
+                        if sleep_or_cancel(broker.next_delay(), &shutdown).await {
+                            break 'connect;
+                        }
+                    }
+                    Some(Err(BatchError::Postgres(e))) => {
+                        if client.is_closed() {
+                            self.stats.note_postgres(self.id, Some(&e));
+                            continue 'connect;
+                        }
+                        tracing::warn!(worker = self.id, error = %source::PgError(&e), "postgres error; batch will be retried");
+                        // A fresh session re-prepares the statements: one
+                        // whose cached plan went stale (a column changed type
+                        // under it) would fail the same way on every batch.
+                        if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
+                            break 'connect;
+                        }
+                        continue 'connect;
+                    }
+                    None => {
+                        tracing::warn!(
+                            worker = self.id,
+                            grace = ?self.settings.shutdown_grace,
+                            "batch still in flight after the shutdown grace; abandoned, its rows stay in the outbox"
+                        );
+                        break 'connect;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits `pause`, or less when work is handed over, ownership changes or
+    /// the relay stops.
+    async fn pause(&mut self, pause: Duration, shutdown: &CancellationToken) {
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = self.idle.work.notified() => {}
+            _ = self.owned.changed() => {}
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+
+    /// Runs one batch to completion; only if shutdown was requested *and* the
+    /// grace period ran out is it dropped (rolling back its transaction).
+    async fn batch_until_grace(
+        &self,
+        client: &mut Client,
+        prepared: &Prepared,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<BatchEnd, BatchError>> {
+        let grace = self.settings.shutdown_grace;
+        tokio::select! {
+            biased;
+            r = self.batch(client, prepared) => Some(r),
+            _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => None,
+        }
+    }
+
+    async fn batch(
+        &self,
+        client: &mut Client,
+        prepared: &Prepared,
+    ) -> Result<BatchEnd, BatchError> {
+        let partitions = Arc::clone(&self.owned.borrow());
+        if partitions.is_empty() {
+            return Ok(BatchEnd::Empty { behind: false });
+        }
+        let tx = client.transaction().await?;
+        let claimed_at = std::time::Instant::now();
+        // Everything from the claim to the settle must end within half the
+        // hold limit: past the full limit Postgres ends the session and
+        // another replica may take the rows. Half leaves margin for the
+        // settle and for the clocks of two machines.
+        let deadline = tokio::time::Instant::from_std(claimed_at) + self.settings.hold_limit / 2;
+        let limits = ClaimLimits {
+            rows: self.settings.batch_size,
+            bytes: self.settings.batch_max_bytes,
+            park_recheck: self.settings.retry_max,
+        };
+        let claiming = self.idle.claiming.lock().await;
+        let claimed = self
+            .queries
+            .claim(&tx, prepared, &limits, &partitions)
+            .await?;
+        drop(claiming);
+        let holds = claimed.holds;
+        let behind = claimed.blocked > holds.len();
+        #[cfg(feature = "mutants")]
+        let batch = crate::mutants::apply_watermark(claimed.batch);
+        #[cfg(not(feature = "mutants"))]
+        let batch = claimed.batch;
+        if batch.is_empty() {
+            // Rows set aside behind a blocked head leave the fresh path, so
+            // the next claim reaches the other keys at once.
+            let held = self.queries.hold(&tx, &holds).await?;
+            tx.commit().await?;
+            return Ok(if held > 0 {
+                BatchEnd::Settled { more: true }
+            } else {
+                BatchEnd::Empty { behind }
+            });
+        }
+        #[cfg(feature = "mutants")]
+        if crate::mutants::active() == Some(crate::mutants::Mutant::AckBeforeConfirm) {
+            let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
+            self.queries.delete(&tx, &seqs).await?;
+            tx.commit().await?;
+            let _ = publish_in_waves(self.publisher.as_ref(), &batch).await;
+            self.stats.count(Event::Published, seqs.len() as u64);
+            return Ok(BatchEnd::Settled { more: true });
+        }
+        // The batch's share of the payload budget, held until it settles.
+        let bytes: usize = batch.iter().map(|e| e.payload.len()).sum();
+        // The claim took all a batch may hold: by rows, or by bytes (the next
+        // row, which the claim read but did not keep, would not have fit).
+        let more = behind
+            || batch.len() + holds.len() >= self.settings.batch_size as usize
+            || bytes.saturating_mul(2)
+                >= usize::try_from(self.settings.batch_max_bytes).unwrap_or(usize::MAX);
+        let Ok(_share) = self
+            .payload_budget
+            .acquire_many(budget_share(bytes, self.payload_budget_kib))
+            .await
+        else {
+            return Ok(BatchEnd::Settled { more: true }); // closed: never, the relay owns it
+        };
+        // Wait for a slot: while `pipeline` batches are at the broker, this one
+        // stays claimed and ready. The slot is the confirm window: it is given
+        // back once the broker has answered, and the settle runs outside it.
+        let Ok(slot) = self.in_flight.acquire().await else {
+            return Ok(BatchEnd::Settled { more: true }); // closed: never, the relay owns it
+        };
+        // A process stopped between claim and publish (SIGSTOP, a long GC-like
+        // stall) may have lost its rows to another replica by now. Publishing
+        // them would only make duplicates, so drop the batch.
+        if tokio::time::Instant::now() >= deadline {
+            self.stats.count(Event::StaleBatch, 1);
+            tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
+            return Ok(BatchEnd::Settled { more: true });
+        }
+        self.stats.add_in_flight(batch.len() as i64);
+        let publish_started = std::time::Instant::now();
+        let published = match tokio::time::timeout_at(
+            deadline,
+            publish_in_waves(self.publisher.as_ref(), &batch),
+        )
+        .await
+        {
+            Ok(published) => published,
+            Err(_) => {
+                // Connecting, opening a channel, a broker that blocked the
+                // connection (resource alarm) or confirms that never come:
+                // whatever held it up, the batch is abandoned before its
+                // rows can pass to another replica, and the publisher drops
+                // whatever could still send it.
+                self.publisher.abandon().await;
+                Err(crate::publish::PublishError::msg(format!(
+                    "batch not answered within {:?} of its claim (half the hold limit); abandoned",
+                    self.settings.hold_limit / 2
+                )))
+            }
+        };
+        metrics::histogram!(crate::metrics::PUBLISH)
+            .record(publish_started.elapsed().as_secs_f64());
+        self.stats.add_in_flight(-(batch.len() as i64));
+        self.stats.note_broker(published.as_ref().err());
+        let outcomes = match published {
+            Ok(o) => o,
+            Err(e) => {
+                let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
+                self.stats.count(Event::BatchFailed, 1);
+                metrics::counter!(crate::metrics::BATCH_FAILURES).increment(1);
+                // Recording the reason is a courtesy to operators; if it fails the
+                // rows are released by the rollback all the same.
+                if self
+                    .queries
+                    .note_batch_error(&tx, &seqs, &e.to_string())
+                    .await
+                    .is_ok()
+                {
+                    tx.commit().await?;
+                }
+                return Err(e.into());
+            }
+        };
+        #[cfg(feature = "mutants")]
+        crate::mutants::after_ack();
+        drop(slot);
+        let plan = settle_plan(&batch, &outcomes, &self.settings);
+        self.queries
+            .settle_published(&tx, prepared, &plan.published)
+            .await?;
+        self.queries.fail(&tx, &plan.failed).await?;
+        self.queries.hold(&tx, &holds).await?;
+        self.queries.dead_letter(&tx, &plan.dead).await?;
+        tx.commit().await?;
+        self.stats
+            .count(Event::DeadLettered, plan.dead.len() as u64);
+        for (seq, reason) in &plan.dead {
+            if let Some(env) = batch.iter().find(|e| e.seq == *seq) {
+                tracing::error!(
+                    message_id = %env.message_id,
+                    destination = %env.destination,
+                    attempts = env.attempts + 1,
+                    reason = %reason,
+                    "message moved to dead letters"
+                );
+            }
+        }
+
+        self.stats
+            .count(Event::Published, plan.published.len() as u64);
+        record_settled(&batch, &plan);
+        self.stats.count(Event::Rejected, plan.failed.len() as u64);
+        self.stats.count(Event::HeldBack, plan.held as u64);
+        for (seq, reason, delay) in &plan.failed {
+            if let Some(env) = batch.iter().find(|e| e.seq == *seq) {
+                tracing::warn!(
+                    message_id = %env.message_id,
+                    destination = %env.destination,
+                    attempts = env.attempts + 1,
+                    retry_in = ?delay,
+                    reason = %reason,
+                    "broker rejected message"
+                );
+            }
+        }
+        tracing::debug!(
+            worker = self.id,
+            published = plan.published.len(),
+            rejected = plan.failed.len(),
+            held = plan.held,
+            "batch settled"
+        );
+        Ok(BatchEnd::Settled { more })
+    }
+}
+
+fn count_by_destination(
+    batch: &[Envelope],
+    pick: impl Fn(&Envelope) -> bool,
+    result: &'static str,
+) {
+    let mut counts: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+    for env in batch.iter().filter(|e| pick(e)) {
+        *counts.entry(env.destination.as_str()).or_default() += 1;
+    }
+    for (destination, n) in counts {
+        metrics::counter!(crate::metrics::MESSAGES, "destination" => crate::metrics::destination_label(destination), "result" => result)
+            .increment(n);
+    }
+}
+
+fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
+    let deleted: HashSet<i64> = plan.published.iter().map(|p| p.0.seq).collect();
+    let failed: HashSet<i64> = plan.failed.iter().map(|f| f.0).collect();
+    let dead: HashSet<i64> = plan.dead.iter().map(|d| d.0).collect();
+    count_by_destination(batch, |e| deleted.contains(&e.seq), "published");
+    count_by_destination(batch, |e| failed.contains(&e.seq), "rejected");
+    count_by_destination(batch, |e| dead.contains(&e.seq), "dead_lettered");
+    metrics::counter!(crate::metrics::RETRIES).increment(plan.failed.len() as u64);
+    let now = std::time::SystemTime::now();
+    let latency = metrics::histogram!(crate::metrics::COMMIT_TO_CONFIRM);
+    for env in batch.iter().filter(|e| deleted.contains(&e.seq)) {
+        if let Ok(d) = now.duration_since(env.created_at) {
+            latency.record(d.as_secs_f64());
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Health and readiness of one replica: what `/readyz`, the metrics, the
+//! replica heartbeat and the logs say about it. The relay loop writes it
+//! through methods; readers get values, never the atomics.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use crate::publish::PublishError;
+use crate::source;
+
+/// Counters and states of one replica, shared by its tasks.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Rows claimed and not yet settled.
+    in_flight: AtomicI64,
+    /// Whether the last attempt to reach Postgres from a worker succeeded.
+    postgres_up: AtomicBool,
+    /// Set when a worker lost Postgres after having reached it, until one
+    /// reaches it again (so recovery is logged once).
+    postgres_lost: AtomicBool,
+    /// Whether the ownership session is up (the replica can claim).
+    owner_up: AtomicBool,
+    /// Since when the broker has been failing whole batches, and why.
+    broker_down: Mutex<Option<(SystemTime, String)>>,
+    /// Messages the broker confirmed and the relay deleted.
+    published: AtomicU64,
+    /// Messages the broker rejected (each attempt counts).
+    rejected: AtomicU64,
+    /// Confirmed messages kept because an older message of their key failed in
+    /// the same batch; they will be published again.
+    held_back: AtomicU64,
+    /// Batches that failed as a whole (broker unreachable).
+    batch_failures: AtomicU64,
+    /// Messages moved to the dead letters.
+    dead_lettered: AtomicU64,
+    /// Batches dropped unpublished because the relay stalled past its hold limit
+    /// between claiming and publishing them.
+    stale_batches: AtomicU64,
+}
+
+/// Something that happened to messages or batches, for [`Stats::count`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// Messages the broker confirmed and the relay settled.
+    Published,
+    /// Messages the broker rejected (an attempt each).
+    Rejected,
+    /// Confirmed messages kept behind an older failed message of their key.
+    HeldBack,
+    /// Messages moved to the dead letters.
+    DeadLettered,
+    /// Batches that failed as a whole.
+    BatchFailed,
+    /// Batches dropped unpublished after a stall past the hold limit.
+    StaleBatch,
+}
+
+impl Stats {
+    fn counter(&self, event: Event) -> &AtomicU64 {
+        match event {
+            Event::Published => &self.published,
+            Event::Rejected => &self.rejected,
+            Event::HeldBack => &self.held_back,
+            Event::DeadLettered => &self.dead_lettered,
+            Event::BatchFailed => &self.batch_failures,
+            Event::StaleBatch => &self.stale_batches,
+        }
+    }
+
+    /// Adds `n` to the counter of `event`.
+    pub fn count(&self, event: Event, n: u64) {
+        self.counter(event).fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// How many `event`s so far.
+    pub fn counted(&self, event: Event) -> u64 {
+        self.counter(event).load(Ordering::Relaxed)
+    }
+
+    /// Rows claimed and not yet settled.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// `n` rows went to the broker (positive) or came back settled (negative).
+    pub(crate) fn add_in_flight(&self, n: i64) {
+        self.in_flight.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether the last attempt to reach Postgres from a worker succeeded.
+    pub fn postgres_up(&self) -> bool {
+        self.postgres_up.load(Ordering::Relaxed)
+    }
+
+    /// Whether the ownership session is up.
+    pub fn owner_up(&self) -> bool {
+        self.owner_up.load(Ordering::Relaxed)
+    }
+
+    /// Records whether the broker answered the last batch.
+    pub(crate) fn note_broker(&self, error: Option<&PublishError>) {
+        // Workers and the probe all report here; the log gets one line when
+        // the broker goes away and one when it is back, whoever noticed.
+        let mut down = self.broker_down.lock().unwrap_or_else(|p| p.into_inner());
+        match (error, down.as_ref()) {
+            (None, None) => {}
+            (None, Some((since, _))) => {
+                let down_for = since.elapsed().unwrap_or_default();
+                tracing::info!(down_for = ?Duration::from_millis(down_for.as_millis() as u64), "broker reachable again");
+                *down = None;
+            }
+            (Some(e), None) => {
+                tracing::warn!(error = %e, "broker unreachable; messages wait in the outbox until it is back");
+                *down = Some((SystemTime::now(), e.to_string()));
+            }
+            (Some(e), Some((since, _))) => {
+                tracing::debug!(error = %e, "broker still unreachable");
+                *down = Some((*since, e.to_string()));
+            }
+        }
+    }
+
+    /// Records whether a worker reached Postgres; like the broker, one log
+    /// line per change (after the first connection), not one per worker.
+    pub(crate) fn note_postgres(&self, worker: usize, error: Option<&tokio_postgres::Error>) {
+        match error {
+            None => {
+                if !self.postgres_up.swap(true, Ordering::Relaxed)
+                    && self.postgres_lost.swap(false, Ordering::Relaxed)
+                {
+                    tracing::info!("postgres reachable again");
+                }
+            }
+            Some(e) => {
+                if self.postgres_up.swap(false, Ordering::Relaxed) {
+                    self.postgres_lost.store(true, Ordering::Relaxed);
+                    tracing::warn!(worker, error = %source::PgError(e), "lost postgres; reconnecting");
+                } else {
+                    tracing::debug!(worker, error = %source::PgError(e), "postgres still unreachable");
+                }
+            }
+        }
+    }
+
+    /// Why this replica is not ready, or None when it is: Postgres reachable
+    /// and the ownership session up. The broker is deliberately not part of
+    /// it: a relay whose broker is down is doing its job (the rows wait in
+    /// Postgres), and as a sidecar its readiness is the app pod's, so a
+    /// broker outage must not take the app out of service. Broker
+    /// reachability is `outbox_connection_up{target="broker"}`, with an alert.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if !self.postgres_up.load(Ordering::Relaxed) {
+            return Some("postgres unreachable".into());
+        }
+        if !self.owner_up.load(Ordering::Relaxed) {
+            return Some("not yet part of the replica set".into());
+        }
+        None
+    }
+
+    /// Records a broker probe's answer.
+    pub fn note_broker_probe(&self, error: Option<&PublishError>) {
+        self.note_broker(error);
+    }
+
+    /// Since when the broker has been down, and the latest error.
+    pub fn broker_down(&self) -> Option<(SystemTime, String)> {
+        self.broker_down
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl source::ownership::ReplicaReport for Stats {
+    fn heartbeat(&self) -> source::ownership::Heartbeat {
+        source::ownership::Heartbeat {
+            in_flight: self.in_flight(),
+            published: self.counted(Event::Published),
+            broker_down: self.broker_down(),
+        }
+    }
+
+    fn set_owner_up(&self, up: bool) {
+        self.owner_up.store(up, Ordering::Relaxed);
+    }
+}
