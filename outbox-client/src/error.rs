@@ -88,6 +88,7 @@ pub enum Error {
     #[error("database error")]
     Sqlx(#[from] ::sqlx::Error),
     /// Applying the migrations failed.
+    #[cfg(feature = "migrate")]
     #[error("migration failed")]
     Migration(#[source] refinery::Error),
 }

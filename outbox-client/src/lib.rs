@@ -83,7 +83,9 @@ use rows::Rows;
 
 pub use error::{BoxError, Error, MessageIdOrBatch};
 pub use message::{Message, MessageBuilder, MessageId, RESERVED_HEADERS};
-pub use migrate::{migrate, set_notify};
+#[cfg(feature = "migrate")]
+pub use migrate::migrate;
+pub use migrate::set_notify;
 pub use schema::SchemaName;
 
 /// Default payload limit: 960 KiB (983,040 bytes), so that every message the

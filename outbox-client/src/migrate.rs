@@ -1,8 +1,10 @@
+#[cfg(feature = "migrate")]
 use refinery::{Migration, Runner};
 use tokio_postgres::Client;
 
 use crate::{Error, SchemaName};
 
+#[cfg(feature = "migrate")]
 /// The schema's migrations, in order. The files in `migrations/` are the one
 /// source of the schema; they are embedded here so an app can migrate at start-up.
 const MIGRATIONS: &[(&str, &str)] = &[
@@ -44,12 +46,14 @@ const MIGRATIONS: &[(&str, &str)] = &[
     ),
 ];
 
-/// Creates `schema` if needed and applies every pending migration to it.
+/// Creates `schema` if needed and applies every pending migration to it
+/// (feature `migrate`, on by default).
 ///
 /// Safe to call from several processes at once: a session-level advisory lock
 /// keyed on the schema name serializes them, and the later callers find nothing
 /// left to apply. The session's `search_path` is set to the schema while the
 /// migrations run (they create unqualified objects) and reset afterwards.
+#[cfg(feature = "migrate")]
 pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
     let schema = SchemaName::new(schema)?;
     let migrations = MIGRATIONS
