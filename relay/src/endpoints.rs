@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::health::Stats;
 use crate::metrics::{destination_label, DbGauges, CONNECTION_UP, DATABASE_GAUGES, READY};
+use crate::source::inspect;
 
 #[derive(Clone)]
 struct AppState {
@@ -87,16 +88,6 @@ pub async fn collect(
     every: Duration,
     shutdown: CancellationToken,
 ) {
-    let s = schema.quoted();
-    let backlog_sql = format!(
-        "SELECT destination, count(*), extract(epoch FROM now() - min(created_at))::float8 \
-         FROM {s}.messages GROUP BY destination"
-    );
-    let dead_sql = format!("SELECT count(*) FROM {s}.dead_letters");
-    let parked_sql = format!(
-        "SELECT count(DISTINCT d.ordering_key) FROM {s}.dead_letters d \
-         WHERE EXISTS (SELECT 1 FROM {s}.messages m WHERE m.ordering_key = d.ordering_key AND m.seq > d.seq)"
-    );
     let lock_sql = "SELECT pg_try_advisory_lock(hashtext('outbox-metrics:' || $1))";
     let mut client: Option<tokio_postgres::Client> = None;
     let mut holding = false;
@@ -134,9 +125,7 @@ pub async fn collect(
                     .is_ok_and(|r| r.get::<_, bool>(0));
             }
             if holding {
-                snapshot = read_db_gauges(c, &backlog_sql, &dead_sql, &parked_sql)
-                    .await
-                    .ok();
+                snapshot = read_db_gauges(c, &schema).await.ok();
                 if let Some(g) = snapshot.as_mut() {
                     // A drained destination reads 0, not nothing.
                     for gone in &seen {
@@ -157,18 +146,18 @@ pub async fn collect(
 
 async fn read_db_gauges(
     c: &tokio_postgres::Client,
-    backlog_sql: &str,
-    dead_sql: &str,
-    parked_sql: &str,
+    schema: &SchemaName,
 ) -> Result<DbGauges, tokio_postgres::Error> {
     let mut g = DbGauges::default();
-    for r in c.query(backlog_sql, &[]).await? {
-        let label = destination_label(r.get::<_, &str>(0));
-        let e = g.backlog.entry(label).or_insert((0.0, 0.0));
-        e.0 += r.get::<_, i64>(1) as f64;
-        e.1 = e.1.max(r.get::<_, Option<f64>>(2).unwrap_or(0.0));
+    for b in inspect::backlog(c, schema).await? {
+        let e = g
+            .backlog
+            .entry(destination_label(&b.destination))
+            .or_insert((0.0, 0.0));
+        e.0 += b.pending as f64;
+        e.1 = e.1.max(b.oldest_age_s.unwrap_or(0.0));
     }
-    g.dead_letters = c.query_one(dead_sql, &[]).await?.get::<_, i64>(0) as f64;
-    g.parked_keys = c.query_one(parked_sql, &[]).await?.get::<_, i64>(0) as f64;
+    g.dead_letters = inspect::dead_letter_count(c, schema).await? as f64;
+    g.parked_keys = inspect::parked_key_count(c, schema).await? as f64;
     Ok(g)
 }

@@ -336,9 +336,12 @@ async fn idle_in_transaction_blocker_is_named(sink: Sink) {
         let v = outbox_relay::ops::status(&db.client, &db.schema)
             .await
             .expect("status");
-        named = v["blockers"].as_array().is_some_and(|bs| {
-            bs.iter()
-                .any(|b| b["kind"] == "long_transaction" && b["application"] == "forgotten-report")
+        named = v.blockers.iter().any(|b| {
+            matches!(
+                b,
+                outbox_relay::ops::Blocker::LongTransaction { application: Some(a), .. }
+                    if a == "forgotten-report"
+            )
         });
         if named {
             break;

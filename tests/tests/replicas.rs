@@ -35,19 +35,10 @@ async fn ownership(db: &TestDb) -> Vec<Vec<i64>> {
     let v = outbox_relay::ops::status(&db.client, &db.schema)
         .await
         .expect("status");
-    v["replicas"]
-        .as_array()
-        .map(|rs| {
-            rs.iter()
-                .map(|r| {
-                    r["partitions"]
-                        .as_array()
-                        .map(|a| a.iter().filter_map(|p| p.as_i64()).collect())
-                        .unwrap_or_default()
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+    v.replicas
+        .iter()
+        .map(|r| r.partitions.iter().map(|&p| i64::from(p)).collect())
+        .collect()
 }
 
 /// True when `n` replicas are present, own all 64 partitions between them, no

@@ -8,6 +8,7 @@
 
 pub mod claim;
 pub mod database;
+pub mod inspect;
 pub mod listener;
 pub mod ownership;
 pub mod retention;

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 
 use crate::config::{Cli, Command, DbArgs, DeadLetterAction, LogFormat, Switch};
 use crate::ops;
+
+mod render;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -143,20 +145,20 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Status { db, json } => {
             let client = connect(&db).await?;
             let v = ops::status(&client, &db.schema).await?;
-            print_out(&v, json, ops::status_text);
+            print_out(&v, json, render::status_text);
             // A health check in a script: exit 1, after the report, when no
             // relay is running on this schema (nothing will publish).
-            if v["replicas"].as_array().is_none_or(|r| r.is_empty()) {
+            if v.replicas.is_empty() {
                 anyhow::bail!("no relay replica is running on schema {}", db.schema);
             }
         }
         Command::Locate { db, id, json } => {
             let mut client = connect(&db).await?;
             let v = ops::locate(&mut client, &db.schema, id).await?;
-            print_out(&v, json, ops::locate_text);
+            print_out(&v, json, render::locate_text);
             // Scripts can tell "not here" from a message somewhere by the
             // exit code: 1, after the report.
-            if v["state"] == "unknown" {
+            if v.location.is_unknown() {
                 anyhow::bail!("message {id} is in neither the outbox, the dead letters nor the retained published rows");
             }
         }
@@ -168,21 +170,21 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     limit,
                     json,
                 } => {
-                    let v = ops::dead_letters(&client, &db.schema, &filter.into(), limit).await?;
-                    print_out(&v, json, |v| ops::dead_letters_text(v, false));
+                    let v = ops::dead_letters(&client, &db.schema, &filter.into(), limit, false)
+                        .await?;
+                    print_out(&v, json, |v| render::dead_letters_text(v, false));
                 }
                 DeadLetterAction::Show { id, json, payload } => {
                     let filter = ops::Filter {
                         id: Some(id),
                         ..ops::Filter::default()
                     };
-                    let v =
-                        ops::dead_letters_with(&client, &db.schema, &filter, 1, payload).await?;
-                    if v.as_array().is_none_or(|a| a.is_empty()) {
+                    let v = ops::dead_letters(&client, &db.schema, &filter, 1, payload).await?;
+                    let Some(one) = v.first() else {
                         anyhow::bail!("no dead letter with message id {id}");
-                    }
-                    print_out(&v[0], json, |v| {
-                        ops::dead_letters_text(&serde_json::json!([v]), true)
+                    };
+                    print_out(one, json, |d| {
+                        render::dead_letters_text(std::slice::from_ref(d), true)
                     });
                 }
                 DeadLetterAction::Retry { filter, yes, json } => {
@@ -326,7 +328,7 @@ async fn connect(db: &DbArgs) -> anyhow::Result<tokio_postgres::Client> {
     Ok(client)
 }
 
-fn print_out(v: &serde_json::Value, json: bool, text: impl Fn(&serde_json::Value) -> String) {
+fn print_out<T: serde::Serialize>(v: &T, json: bool, text: impl Fn(&T) -> String) {
     if json {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     } else {

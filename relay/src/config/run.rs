@@ -1,0 +1,393 @@
+//! `outbox-relay run`: its flags and their validation into a [`Config`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use outbox_client::SchemaName;
+
+use super::kafka::{parse_kafka_property, read_kafka_config_file, split_kafka_properties};
+use super::values::{
+    parse_amqp_url, parse_bytes, parse_duration, parse_http_addr, read_ca_file, read_secret,
+};
+use super::{ConfigError, DbArgs, HttpAddr, SecretUrl};
+use crate::engine::Settings;
+
+/// The broker to publish to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BrokerKind {
+    /// RabbitMQ, or any AMQP 0-9-1 broker with publisher confirms.
+    Amqp,
+    /// Kafka, or any Kafka-protocol broker.
+    Kafka,
+}
+
+/// Flags of `outbox-relay run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Where the outbox lives.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Broker to publish to.
+    #[arg(long, env = "OUTBOX_BROKER", value_enum, default_value_t = BrokerKind::Amqp)]
+    pub broker: BrokerKind,
+    /// AMQP URL [default: amqp://guest:***@127.0.0.1:5672/%2f, RabbitMQ's local guest account].
+    #[arg(
+        long,
+        env = "OUTBOX_AMQP_URL",
+        hide_env_values = true,
+        hide_default_value = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        value_parser = parse_amqp_url
+    )]
+    pub amqp_url: SecretUrl,
+    /// Read the AMQP URL from this file instead.
+    #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
+    pub amqp_url_file: Option<PathBuf>,
+    /// Extra CA certificates (PEM) trusted for `amqps://`, besides the
+    /// system's. The broker's certificate and host name are always verified.
+    #[arg(long, env = "OUTBOX_AMQP_CA_FILE")]
+    pub amqp_ca_file: Option<PathBuf>,
+    /// Kafka bootstrap servers (host:port, comma-separated).
+    #[arg(long, env = "OUTBOX_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    pub kafka_brokers: String,
+    /// Any librdkafka producer property, as key=value; repeatable. Several
+    /// may share one value (or the env var), separated by newlines or commas;
+    /// a comma starts a new property only when the text after it has an `=`
+    /// before the next comma, so `ssl.cipher.suites=A,B,linger.ms=5` is two
+    /// properties. Applied last, so it overrides the relay's defaults (SASL,
+    /// TLS, compression, linger, ...). Values of password/secret properties
+    /// are never logged.
+    // Parsed in into_config, not by clap: clap's error would echo the raw
+    // value, which may be a secret.
+    #[arg(
+        long = "kafka-config",
+        env = "OUTBOX_KAFKA_CONFIG",
+        hide_env_values = true
+    )]
+    pub kafka_config: Vec<String>,
+    /// A file of librdkafka properties, one key=value per line (`#` starts a
+    /// comment): the place for secrets such as `sasl.password`, mounted from
+    /// a secret store. Applied after --kafka-config.
+    #[arg(long, env = "OUTBOX_KAFKA_CONFIG_FILE")]
+    pub kafka_config_file: Option<PathBuf>,
+    /// Rows per batch. 500 keeps a batch's confirms within tens of milliseconds
+    /// while amortizing the claim and delete round trips.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 500,
+          value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub batch_size: i64,
+    /// Payload bytes per batch (e.g. 8MiB, 512KiB, or a plain number): a
+    /// claim stops adding rows when the next would pass it, and a single
+    /// larger message goes alone. With pipeline + 1 batches claimed at once,
+    /// the relay holds at most about (pipeline + 1) x this in payloads, plus
+    /// one message over it; keep that well under the container's memory
+    /// limit (the defaults, 4 x 8 MiB, fit a 256 MiB limit with room). It also
+    /// keeps a Kafka batch inside librdkafka's local queue (64 MiB).
+    #[arg(long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "8MiB", value_parser = parse_bytes)]
+    pub batch_max_bytes: i64,
+    /// Batches at the broker (published, awaiting confirms) at once: the
+    /// confirm window. pipeline + 1 workers, each with its own Postgres
+    /// connection, claim and settle around them, so a batch is ready whenever
+    /// a slot frees. 3 keeps the broker busy; a crash can repeat at most
+    /// pipeline + 1 batches.
+    #[arg(long, env = "OUTBOX_PIPELINE", default_value_t = 3,
+          value_parser = clap::value_parser!(u16).range(1..=32))]
+    pub pipeline: u16,
+    /// Longest pause between claims while the outbox is idle. Claims run back
+    /// to back while they come back full; the pause starts at --poll-min and
+    /// doubles with each empty claim up to this, so a message committed into an
+    /// idle outbox waits at most this long. One worker polls while idle; the
+    /// others stand by.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "50ms", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+    /// Shortest pause between claims, after one that took less than a full
+    /// batch: a trickle goes out in batches of a few rather than one by one.
+    #[arg(long, env = "OUTBOX_POLL_MIN", default_value = "5ms", value_parser = parse_duration)]
+    pub poll_min: Duration,
+    /// First retry delay after the broker rejects a message; doubles per attempt.
+    #[arg(long, env = "OUTBOX_RETRY_BASE", default_value = "1s", value_parser = parse_duration)]
+    pub retry_base: Duration,
+    /// Cap on a rejected message's retry delay.
+    #[arg(long, env = "OUTBOX_RETRY_MAX", default_value = "60s", value_parser = parse_duration)]
+    pub retry_max: Duration,
+    /// Cap on the delay between reconnect attempts to Postgres or the broker.
+    #[arg(long, env = "OUTBOX_RECONNECT_MAX", default_value = "10s", value_parser = parse_duration)]
+    pub reconnect_max: Duration,
+    /// Longest wait for a batch's confirms; past it the broker connection is
+    /// presumed dead, reopened, and the batch retried. On Kafka this is
+    /// message.timeout.ms.
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub confirm_timeout: Duration,
+    /// How long in-flight batches may finish after SIGTERM before they are
+    /// abandoned (and published again by the next run).
+    #[arg(long, env = "OUTBOX_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+    /// Longest time a stalled relay keeps claimed rows locked before Postgres ends
+    /// its session and frees them. Must exceed --confirm-timeout.
+    #[arg(long, env = "OUTBOX_HOLD_LIMIT", default_value = "60s", value_parser = parse_duration)]
+    pub hold_limit: Duration,
+    /// How long a replica that stops answering keeps its partitions: the
+    /// failover bound. A replica that dies outright hands them over at once.
+    #[arg(long, env = "OUTBOX_LEASE", default_value = "5s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// Broker rejections (returns, nacks, unknown topic...) before a message is
+    /// moved to the dead letters. Outages never count. Errors that can never
+    /// succeed (e.g. too large) dead-letter at once.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", default_value_t = 10,
+          value_parser = clap::value_parser!(i32).range(1..))]
+    pub max_attempts: i32,
+    /// Keep published messages this long, with their publish time and the
+    /// broker's receipt (Kafka partition and offset, or the AMQP confirm), so
+    /// `locate` can say where each went. "0s" (the default) deletes a row as
+    /// soon as the broker confirms it.
+    #[arg(long, env = "OUTBOX_RETENTION", default_value = "0s", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// Rows deleted per statement when clearing published messages past
+    /// --retention; small batches keep each delete's locks short.
+    #[arg(long, env = "OUTBOX_RETENTION_CLEANUP_BATCH", default_value_t = 1000,
+          value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    pub retention_cleanup_batch: i64,
+    /// Address for /metrics (Prometheus), /healthz and /readyz; "off" disables.
+    #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9839", value_parser = parse_http_addr)]
+    pub http_addr: HttpAddr,
+    /// What later messages of a dead-lettered message's key do: `park` (wait
+    /// behind it, keeping order, until it is retried or discarded) or `skip`
+    /// (go ahead without it).
+    #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
+    pub dead_letter_order: DeadLetterOrder,
+    /// Publish every message as a CloudEvent 1.0 in binary content mode: the
+    /// payload as the body, `id`, `source`, `specversion`, `type` (the
+    /// message's event type, else its destination) and `time` (its creation)
+    /// as `ce_` headers on Kafka and `ce-` headers on RabbitMQ. Needs
+    /// --cloudevents-source.
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS", requires = "cloudevents_source")]
+    pub cloudevents: bool,
+    /// The CloudEvents `source` of every event: a URI reference naming the
+    /// producing service, e.g. `/orders-service`.
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
+}
+
+/// What happens to a key's later messages when one is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeadLetterOrder {
+    /// Hold them back until the dead letter is retried or discarded.
+    Park,
+    /// Let them go ahead.
+    Skip,
+}
+
+/// Everything `run` needs, validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Postgres connection settings and TLS (Debug output hides the password).
+    pub pg: crate::source::Database,
+    /// The outbox schema.
+    pub schema: SchemaName,
+    /// The broker and how to reach it.
+    pub broker: Broker,
+    /// The relay loop's settings.
+    pub settings: Settings,
+    /// Where to serve metrics and health, if anywhere.
+    pub http_addr: Option<std::net::SocketAddr>,
+    /// CloudEvents binary mode, if on.
+    pub cloudevents: Option<crate::publish::cloudevents::CloudEvents>,
+}
+
+/// A broker with its connection settings.
+#[derive(Debug, Clone)]
+pub enum Broker {
+    /// RabbitMQ.
+    Amqp(crate::publish::amqp::AmqpSettings),
+    /// Kafka.
+    Kafka(crate::publish::kafka::KafkaSettings),
+}
+
+impl RunArgs {
+    /// Validates the flags into a [`Config`].
+    pub fn into_config(self) -> Result<Config, ConfigError> {
+        if self.hold_limit <= self.confirm_timeout {
+            return Err(ConfigError {
+                flag: "--hold-limit",
+                reason: format!(
+                    "{} must exceed --confirm-timeout ({}), or a slow broker would lose the rows' locks mid-batch",
+                    humantime::format_duration(self.hold_limit),
+                    humantime::format_duration(self.confirm_timeout)
+                ),
+            });
+        }
+        for (flag, pause) in [
+            ("--poll-interval", self.poll_interval),
+            ("--poll-min", self.poll_min),
+        ] {
+            if pause < Duration::from_millis(1) {
+                return Err(ConfigError {
+                    flag,
+                    reason: format!(
+                        "{} is under 1ms: an idle relay would claim in a busy loop",
+                        humantime::format_duration(pause)
+                    ),
+                });
+            }
+        }
+        let amqp_url = match &self.amqp_url_file {
+            Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url)?,
+            None => self.amqp_url.clone(),
+        };
+        let ca_pem = match &self.amqp_ca_file {
+            Some(path) => Some(read_ca_file("--amqp-ca-file", path)?),
+            None => None,
+        };
+        // Validated whichever broker is chosen, so a typo never waits for the
+        // day someone switches to Kafka.
+        let mut kafka_properties: Vec<(String, String)> =
+            split_kafka_properties(&self.kafka_config)
+                .iter()
+                .enumerate()
+                .map(|(i, raw)| {
+                    parse_kafka_property(raw)
+                        .map(|p| (p.0, p.1))
+                        .map_err(|reason| ConfigError {
+                            flag: "--kafka-config",
+                            reason: format!("entry {}: {reason}", i + 1),
+                        })
+                })
+                .collect::<Result<_, _>>()?;
+        if let Some(path) = &self.kafka_config_file {
+            kafka_properties.extend(read_kafka_config_file(path)?);
+        }
+        let broker = match self.broker {
+            BrokerKind::Amqp => Broker::Amqp(crate::publish::amqp::AmqpSettings {
+                url: amqp_url.expose().to_owned(),
+                confirm_timeout: self.confirm_timeout,
+                connect_timeout: Duration::from_secs(10),
+                ca_pem,
+            }),
+            BrokerKind::Kafka => Broker::Kafka(crate::publish::kafka::KafkaSettings {
+                brokers: self.kafka_brokers.clone(),
+                properties: kafka_properties,
+                message_timeout: self.confirm_timeout,
+            }),
+        };
+        let cloudevents = match (self.cloudevents, &self.cloudevents_source) {
+            (true, Some(source)) => Some(
+                crate::publish::cloudevents::CloudEvents::new(source.as_str()).map_err(
+                    |reason| ConfigError {
+                        flag: "--cloudevents-source",
+                        reason,
+                    },
+                )?,
+            ),
+            _ => None,
+        };
+        Ok(Config {
+            cloudevents,
+            http_addr: self.http_addr.0,
+            pg: self.db.database()?,
+            schema: self.db.schema.clone(),
+            broker,
+            settings: Settings {
+                batch_size: self.batch_size,
+                batch_max_bytes: self.batch_max_bytes,
+                pipeline: usize::from(self.pipeline),
+                poll_interval: self.poll_interval,
+                poll_min: self.poll_min.min(self.poll_interval),
+                retry_base: self.retry_base,
+                retry_max: self.retry_max,
+                reconnect_max: self.reconnect_max,
+                shutdown_grace: self.shutdown_grace,
+                hold_limit: self.hold_limit,
+                max_attempts: self.max_attempts,
+                park_on_dead_letter: self.dead_letter_order == DeadLetterOrder::Park,
+                lease: self.lease,
+                retention: (!self.retention.is_zero()).then_some(self.retention),
+                retention_cleanup_batch: self.retention_cleanup_batch,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Cli, Command};
+    use clap::CommandFactory;
+    use clap::Parser;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn help_never_shows_the_default_password() {
+        let mut cmd = Cli::command();
+        let help = cmd
+            .find_subcommand_mut("run")
+            .map(|c| c.render_long_help().to_string())
+            .unwrap_or_default();
+        assert!(help.contains("--amqp-url"), "{help}");
+        assert!(!help.contains("guest:guest"), "{help}");
+    }
+
+    #[test]
+    fn bad_values_name_their_flag() {
+        let err = Cli::try_parse_from(["outbox-relay", "run", "--poll-interval", "5"])
+            .map(|_| ())
+            .expect_err("a bare number is rejected");
+        assert!(err.to_string().contains("--poll-interval"), "{err}");
+        let err = Cli::try_parse_from(["outbox-relay", "run", "--schema", "Bad-Name"])
+            .map(|_| ())
+            .expect_err("bad schema is rejected");
+        assert!(err.to_string().contains("--schema"), "{err}");
+    }
+
+    #[test]
+    fn hold_limit_must_exceed_confirm_timeout() {
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from([
+            "outbox-relay",
+            "run",
+            "--confirm-timeout",
+            "30s",
+            "--hold-limit",
+            "10s",
+        ])
+        else {
+            panic!("flags parse");
+        };
+        let err = args.into_config().map(|_| ()).expect_err("rejected");
+        assert_eq!(err.flag, "--hold-limit");
+    }
+
+    #[test]
+    fn polling_pauses_under_a_millisecond_are_refused() {
+        for (flag, value) in [("--poll-interval", "0s"), ("--poll-min", "100us")] {
+            let Ok(Cli {
+                command: Command::Run(args),
+                ..
+            }) = Cli::try_parse_from(["outbox-relay", "run", flag, value])
+            else {
+                panic!("flags parse");
+            };
+            let err = args.into_config().map(|_| ()).expect_err("rejected");
+            assert_eq!(err.flag, flag);
+            assert!(err.reason.contains("busy loop"), "{}", err.reason);
+        }
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from(["outbox-relay", "run", "--poll-interval", "2ms"])
+        else {
+            panic!("flags parse");
+        };
+        let config = args.into_config().expect("valid");
+        assert_eq!(
+            config.settings.poll_min,
+            Duration::from_millis(2),
+            "the shortest pause never exceeds the longest"
+        );
+    }
+}
