@@ -246,10 +246,7 @@ impl<P: Publisher> Worker<P> {
         drop(claiming);
         let holds = claimed.holds;
         let behind = claimed.blocked > holds.len();
-        #[cfg(feature = "mutants")]
-        let batch = crate::mutants::apply_watermark(claimed.batch);
-        #[cfg(not(feature = "mutants"))]
-        let batch = claimed.batch;
+        let batch = hooks::claimed(claimed.batch);
         if batch.is_empty() {
             // Rows set aside behind a blocked head leave the fresh path, so
             // the next claim reaches the other keys at once.
@@ -261,14 +258,8 @@ impl<P: Publisher> Worker<P> {
                 BatchEnd::Empty { behind }
             });
         }
-        #[cfg(feature = "mutants")]
-        if crate::mutants::active() == Some(crate::mutants::Mutant::AckBeforeConfirm) {
-            let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
-            self.queries.delete(&tx, &seqs).await?;
-            tx.commit().await?;
-            let _ = publish_in_waves(self.publisher.as_ref(), &batch).await;
-            self.stats.count(Event::Published, seqs.len() as u64);
-            return Ok(BatchEnd::Settled { more: true });
+        if hooks::settles_before_confirm() {
+            return self.settle_before_confirm(tx, &batch).await;
         }
         // The batch's share of the payload budget, held until it settles.
         let bytes: usize = batch.iter().map(|e| e.payload.len()).sum();
@@ -344,8 +335,7 @@ impl<P: Publisher> Worker<P> {
                 return Err(e.into());
             }
         };
-        #[cfg(feature = "mutants")]
-        crate::mutants::after_ack();
+        hooks::after_ack();
         drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
         self.queries
@@ -426,5 +416,50 @@ fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
         if let Ok(d) = now.duration_since(env.created_at) {
             latency.record(d.as_secs_f64());
         }
+    }
+}
+
+impl<P: Publisher> Worker<P> {
+    /// The ack-before-confirm mutant: deletes and commits, then publishes and
+    /// ignores the answer. Only ever called when that mutant is selected.
+    async fn settle_before_confirm(
+        &self,
+        tx: tokio_postgres::Transaction<'_>,
+        batch: &[Envelope],
+    ) -> Result<BatchEnd, BatchError> {
+        let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
+        self.queries.delete(&tx, &seqs).await?;
+        tx.commit().await?;
+        let _ = publish_in_waves(self.publisher.as_ref(), batch).await;
+        self.stats.count(Event::Published, seqs.len() as u64);
+        Ok(BatchEnd::Settled { more: true })
+    }
+}
+
+/// The correctness suite's deliberately broken behaviours (feature
+/// `mutants`); without the feature these are no-ops the compiler removes.
+mod hooks {
+    use crate::envelope::Envelope;
+
+    /// The claimed batch, as the watermark mutant would cut it.
+    pub(super) fn claimed(batch: Vec<Envelope>) -> Vec<Envelope> {
+        #[cfg(feature = "mutants")]
+        return crate::mutants::apply_watermark(batch);
+        #[cfg(not(feature = "mutants"))]
+        batch
+    }
+
+    /// Whether the ack-before-confirm mutant is selected.
+    pub(super) fn settles_before_confirm() -> bool {
+        #[cfg(feature = "mutants")]
+        return crate::mutants::active() == Some(crate::mutants::Mutant::AckBeforeConfirm);
+        #[cfg(not(feature = "mutants"))]
+        false
+    }
+
+    /// The crash-after-ack failpoint.
+    pub(super) fn after_ack() {
+        #[cfg(feature = "mutants")]
+        crate::mutants::after_ack();
     }
 }

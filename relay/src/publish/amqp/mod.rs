@@ -1,0 +1,288 @@
+//! RabbitMQ (AMQP 0-9-1) with publisher confirms.
+//!
+//! Every message is published persistent and mandatory on a confirm-mode channel.
+//! A message counts as published only when its confirm is an Ack that was not
+//! preceded by a `basic.return`: RabbitMQ acks unroutable mandatory messages too,
+//! right after returning them, so "acked" alone is not success.
+//!
+//! Publishing to an exchange that does not exist is a channel error in AMQP: it
+//! would close the channel under every other message in flight. Destinations are
+//! therefore checked with a passive declare on a throwaway channel before first
+//! use (and again after a while), and messages for a missing exchange are
+//! rejected one by one while the rest of the batch flows.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use lapin::options::BasicPublishOptions;
+use lapin::types::ShortString;
+use lapin::{Channel, Confirmation, Connection};
+use tokio::sync::Mutex;
+
+use super::cloudevents::CloudEvents;
+use super::{Envelope, Outcome, PublishError, Publisher, Rejection};
+use wire::{correlate, properties, Answer, Returned};
+
+mod link;
+mod wire;
+use crate::redact::redact_url;
+
+pub use crate::envelope::DEFAULT_EXCHANGE_ALIAS;
+
+/// How long a positive exchange check is trusted before it is made again.
+const EXCHANGE_CHECK_TTL: Duration = Duration::from_secs(30);
+
+/// Settings for [`AmqpPublisher`].
+#[derive(Clone)]
+pub struct AmqpSettings {
+    /// `amqp://` or `amqps://` URI, credentials included.
+    pub url: String,
+    /// Longest wait for a batch's confirms before the connection is presumed dead.
+    pub confirm_timeout: Duration,
+    /// Longest wait for a TCP + AMQP handshake.
+    pub connect_timeout: Duration,
+    /// Extra trusted CA certificates (PEM) for `amqps://`, besides the
+    /// system's. The server's certificate and host name are always verified.
+    pub ca_pem: Option<String>,
+}
+
+impl std::fmt::Debug for AmqpSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpSettings")
+            .field("url", &redact_url(&self.url))
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<pem>"))
+            .finish()
+    }
+}
+
+struct Link {
+    connection: Arc<Connection>,
+    /// Idle confirm-mode channels. A batch takes one for itself and gives it
+    /// back only after every confirm of the batch has arrived, so no two
+    /// batches ever share a channel's confirms or returns.
+    idle: Vec<Channel>,
+}
+
+/// Publishes to RabbitMQ; reconnects lazily on the next batch after a failure.
+pub struct AmqpPublisher {
+    settings: AmqpSettings,
+    link: Mutex<Option<Link>>,
+    exchanges_seen: Mutex<HashMap<String, Instant>>,
+    /// The largest message the broker accepts, as far as the relay knows:
+    /// RabbitMQ's default until a channel closes for a larger message and the
+    /// broker's error names its limit.
+    max_message_size: AtomicUsize,
+    /// CloudEvents binary mode, when on: `ce-` headers on every message.
+    cloudevents: Option<CloudEvents>,
+}
+
+/// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 * 1024 * 1024;
+
+impl std::fmt::Debug for AmqpPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpPublisher")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpPublisher {
+    /// A publisher that connects on first use.
+    pub fn new(settings: AmqpSettings) -> Self {
+        AmqpPublisher {
+            settings,
+            link: Mutex::new(None),
+            exchanges_seen: Mutex::new(HashMap::new()),
+            max_message_size: AtomicUsize::new(DEFAULT_MAX_MESSAGE_SIZE),
+            cloudevents: None,
+        }
+    }
+
+    /// Publishes every message as a CloudEvent in binary content mode, with
+    /// the RabbitMQ binding's `ce-` headers ([`super::cloudevents`]).
+    pub fn with_cloudevents(mut self, cloudevents: CloudEvents) -> Self {
+        self.cloudevents = Some(cloudevents);
+        self
+    }
+}
+
+impl AmqpPublisher {
+    /// Why `env` can never be published, checked before anything is sent.
+    fn refuse_locally(&self, env: &Envelope) -> Option<Rejection> {
+        let limit = self.max_message_size.load(Ordering::Relaxed);
+        if env.payload.len() > limit {
+            return Some(Rejection::permanent(format!(
+                "message of {} bytes exceeds rabbitmq's max_message_size of {limit} bytes",
+                env.payload.len()
+            )));
+        }
+        None
+    }
+}
+
+impl Publisher for AmqpPublisher {
+    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Outcome>, PublishError> {
+        let connection = self.connection().await?;
+        if connection.status().blocked() {
+            // Anything sent now would sit in the socket until the alarm
+            // clears; the rows wait in the outbox instead.
+            return Err(PublishError::msg(
+                "rabbitmq has blocked the connection (a memory or disk alarm)",
+            ));
+        }
+        let missing = self.missing_exchanges(&connection, batch).await?;
+        let channel = self.take_channel(&connection).await?;
+
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+        // Keys with a message refused here: their later messages are not sent
+        // (they wait for the refused one, like after a broker refusal).
+        let mut refused: HashSet<&str> = HashSet::new();
+        let mut sent = Vec::with_capacity(batch.len());
+        let mut pending = Vec::with_capacity(batch.len());
+        for (i, env) in batch.iter().enumerate() {
+            let key = env.ordering_key.as_deref();
+            if key.is_some_and(|k| refused.contains(k)) {
+                outcomes[i] = Some(Err(Rejection::retryable(
+                    "held back behind an earlier refused message of its key",
+                )));
+                continue;
+            }
+            let exchange = env.amqp_exchange();
+            let checked = if missing.contains(exchange) {
+                Err(Rejection::retryable(format!(
+                    "exchange {exchange:?} does not exist"
+                )))
+            } else if let Some(r) = self.refuse_locally(env) {
+                Err(r)
+            } else {
+                match (
+                    ShortString::try_new(exchange),
+                    ShortString::try_new(env.routing_key.as_str()),
+                ) {
+                    (Ok(x), Ok(rk)) => {
+                        properties(env, self.cloudevents.as_ref()).map(|p| (x, rk, p))
+                    }
+                    _ => Err(Rejection::permanent(
+                        "exchange or routing key exceeds 255 bytes",
+                    )),
+                }
+            };
+            let (exchange, routing_key, props) = match checked {
+                Ok(parts) => parts,
+                Err(r) => {
+                    if let Some(k) = key {
+                        refused.insert(k);
+                    }
+                    outcomes[i] = Some(Err(r));
+                    continue;
+                }
+            };
+            // Awaiting basic_publish only hands the frames to the connection; the
+            // broker's answer is the returned confirm future, awaited below for the
+            // whole batch at once.
+            let confirm = match channel
+                .basic_publish(
+                    exchange,
+                    routing_key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    &env.payload,
+                    props,
+                )
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    self.learn_size_limit(&e);
+                    return Err(PublishError::new("publish failed", e));
+                }
+            };
+            sent.push((i, env.message_id.to_string()));
+            pending.push(async move {
+                match confirm.await {
+                    Ok(Confirmation::Ack(r)) => Answer::Confirmed {
+                        acked: true,
+                        returned: r.as_ref().map(Returned::from_lapin),
+                    },
+                    Ok(Confirmation::Nack(r)) => Answer::Confirmed {
+                        acked: false,
+                        returned: r.as_ref().map(Returned::from_lapin),
+                    },
+                    Ok(Confirmation::NotRequested) => {
+                        Answer::Lost(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+                            lapin::ChannelState::Initial,
+                            "channel is not in confirm mode",
+                        )))
+                    }
+                    Err(e) => Answer::Lost(e),
+                }
+            });
+        }
+
+        let answers =
+            match tokio::time::timeout(self.settings.confirm_timeout, join_all(pending)).await {
+                Ok(answers) => answers,
+                Err(_) => {
+                    self.drop_link().await;
+                    return Err(PublishError::msg(format!(
+                        "no confirms from rabbitmq within {:?}",
+                        self.settings.confirm_timeout
+                    )));
+                }
+            };
+        for answer in &answers {
+            if let Answer::Lost(e) = answer {
+                self.learn_size_limit(e);
+            }
+        }
+        for (i, outcome) in correlate(&sent, answers)? {
+            outcomes[i] = Some(outcome);
+        }
+        self.give_back(&connection, channel).await;
+        // Every slot was filled above: either refused before sending or answered.
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Rejection::retryable("no answer"))))
+            .collect())
+    }
+
+    async fn ready(&self) -> Result<(), PublishError> {
+        self.connection().await.map(|_| ())
+    }
+
+    /// A batch ran out of time. On a connection the broker blocked (resource
+    /// alarm), lapin writes nothing until the alarm clears, and every later
+    /// batch is refused before sending, so keeping the connection bounds the
+    /// copies to the batches already handed over. Any other stall (a
+    /// black-holed socket, a broker that stopped answering) drops the
+    /// connection: the next batch starts on a fresh one.
+    async fn abandon(&self) {
+        let blocked = self
+            .link
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|l| l.connection.status().blocked());
+        if !blocked {
+            self.drop_link().await;
+        }
+    }
+
+    async fn close(&self) {
+        if let Some(link) = self.link.lock().await.take() {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                link.connection.close(200, "shutting down".into()),
+            )
+            .await;
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! What goes on the wire and what comes back: message properties and
+//! headers, and pairing confirms and returns with the messages of a batch
+//! (in any order RabbitMQ may send them).
+
+use std::collections::HashMap;
+use std::time::UNIX_EPOCH;
+
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::BasicProperties;
+
+use crate::envelope::Envelope;
+use crate::publish::cloudevents::CloudEvents;
+use crate::publish::{Outcome, PublishError, Receipt, Rejection};
+
+pub(super) fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404)
+}
+
+pub(super) fn properties(
+    env: &Envelope,
+    cloudevents: Option<&CloudEvents>,
+) -> Result<BasicProperties, Rejection> {
+    let attributes = cloudevents.map(|ce| ce.attributes(env));
+    let mut headers = FieldTable::default();
+    for (name, value) in &env.headers {
+        // A row header that spells one of the event's attributes in any case
+        // is left out: the event's own value is the one consumers must see.
+        let shadowed = attributes.iter().flatten().any(|(a, _)| {
+            name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce-"))
+                && name.get(3..).is_some_and(|n| n.eq_ignore_ascii_case(a))
+        });
+        if shadowed {
+            continue;
+        }
+        let name = ShortString::try_new(name.as_str())
+            .map_err(|_| Rejection::permanent(format!("header name {name:?} exceeds 255 bytes")))?;
+        headers.insert(
+            name,
+            AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
+        );
+    }
+    for (name, value) in attributes.into_iter().flatten() {
+        headers.insert(
+            ShortString::from(format!("ce-{name}")),
+            AMQPValue::LongString(LongString::from(value.into_bytes())),
+        );
+    }
+    let timestamp = env
+        .created_at
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut props = BasicProperties::default()
+        .with_message_id(env.message_id.to_string().into())
+        .with_delivery_mode(2)
+        .with_timestamp(timestamp)
+        .with_headers(headers);
+    if let Some(ct) = &env.content_type {
+        let ct = ShortString::try_new(ct.as_str())
+            .map_err(|_| Rejection::permanent("content type exceeds 255 bytes"))?;
+        props = props.with_content_type(ct);
+    }
+    Ok(props)
+}
+
+/// What the broker said about one published message, as lapin delivered it.
+#[derive(Debug)]
+pub(super) enum Answer {
+    /// An ack or a nack, with whatever `basic.return` lapin attached to it.
+    /// lapin attaches a pending return to whichever confirm completes next,
+    /// which need not be the returned message's own.
+    Confirmed {
+        acked: bool,
+        returned: Option<Returned>,
+    },
+    /// The channel or connection failed before the confirm arrived.
+    Lost(lapin::Error),
+}
+
+/// A `basic.return`: the returned message's id and why.
+#[derive(Debug, Clone)]
+pub(super) struct Returned {
+    message_id: Option<String>,
+    reason: String,
+}
+
+impl Returned {
+    pub(super) fn from_lapin(r: &lapin::message::BasicReturnMessage) -> Self {
+        Returned {
+            message_id: r
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.to_string()),
+            reason: format!(
+                "unroutable: returned by rabbitmq ({} {})",
+                r.reply_code, r.reply_text
+            ),
+        }
+    }
+}
+
+/// Pairs every confirm of one batch with the returns of the batch by message
+/// id. The batch had its channel to itself, and RabbitMQ sends a message's
+/// return before its ack, so once every confirm has arrived, every return of
+/// the batch has been attached to one of them — maybe another message's.
+/// A message is published only if it was acked and no return names it.
+///
+/// `sent` holds (index in batch, message id) per published message, `answers`
+/// the confirms in the same order. A return that names no message of the
+/// batch means the pairing cannot be trusted: the whole batch is retried.
+pub(super) fn correlate(
+    sent: &[(usize, String)],
+    answers: Vec<Answer>,
+) -> Result<Vec<(usize, Outcome)>, PublishError> {
+    let mut returns: HashMap<String, String> = HashMap::new();
+    let mut confirmed = Vec::with_capacity(answers.len());
+    for answer in answers {
+        match answer {
+            Answer::Confirmed { acked, returned } => {
+                if let Some(r) = returned {
+                    let Some(id) = r.message_id else {
+                        return Err(PublishError::msg(
+                            "rabbitmq returned a message without a message id",
+                        ));
+                    };
+                    returns.insert(id, r.reason);
+                }
+                confirmed.push(acked);
+            }
+            Answer::Lost(e) => return Err(PublishError::new("connection lost before confirm", e)),
+        }
+    }
+    let mut outcomes = Vec::with_capacity(sent.len());
+    for ((i, id), acked) in sent.iter().zip(confirmed) {
+        let outcome = match returns.remove(id) {
+            Some(reason) => Err(Rejection::retryable(reason)),
+            None if acked => Ok(Receipt::Amqp),
+            None => Err(Rejection::retryable("nacked by rabbitmq")),
+        };
+        outcomes.push((*i, outcome));
+    }
+    if let Some(stray) = returns.keys().next() {
+        return Err(PublishError::msg(format!(
+            "rabbitmq returned message {stray}, which this batch did not send; retrying the batch"
+        )));
+    }
+    Ok(outcomes)
+}
+
+/// The limit named by RabbitMQ's "message size N is larger than configured
+/// max size M" channel error.
+pub(super) fn size_limit_from(error: &lapin::Error) -> Option<usize> {
+    let text = error.to_string();
+    let (_, tail) = text.split_once("larger than configured max size")?;
+    tail.trim()
+        .trim_matches(|c: char| !c.is_ascii_digit())
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+
+    fn returned(id: &str) -> Option<Returned> {
+        Some(Returned {
+            message_id: Some(id.to_owned()),
+            reason: "unroutable".into(),
+        })
+    }
+
+    /// Every order RabbitMQ may produce: a return travels before its own
+    /// ack, but lapin hands it to whichever confirm completes next (several
+    /// at once for a `multiple` ack, in no particular order). Whatever the
+    /// pairing, exactly the returned messages are refused.
+    #[test]
+    fn returns_are_matched_by_message_id_whatever_confirm_carries_them() {
+        for seed in 0..500u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let n = rng.random_range(1..60);
+            let sent: Vec<(usize, String)> = (0..n).map(|i| (i, format!("m{i}"))).collect();
+            let bad: Vec<bool> = (0..n).map(|_| rng.random_bool(0.3)).collect();
+            // Hand each return to a confirm at or after its own message's,
+            // the way a FIFO of pending returns drains into later confirms.
+            let mut carriers: Vec<Option<Returned>> = (0..n).map(|_| None).collect();
+            let mut waiting: Vec<String> = Vec::new();
+            let mut order: Vec<usize> = (0..n).collect();
+            order.shuffle(&mut rng);
+            for &i in &order {
+                if bad[i] {
+                    waiting.push(format!("m{i}"));
+                }
+                if !waiting.is_empty() {
+                    let pick = rng.random_range(0..waiting.len());
+                    carriers[i] = returned(&waiting.remove(pick));
+                }
+            }
+            // Returns still waiting drain into confirms that carry none.
+            for slot in carriers.iter_mut().filter(|c| c.is_none()) {
+                if let Some(id) = waiting.pop() {
+                    *slot = returned(&id);
+                }
+            }
+            assert!(waiting.is_empty());
+            let answers = carriers
+                .into_iter()
+                .map(|returned| Answer::Confirmed {
+                    acked: true,
+                    returned,
+                })
+                .collect();
+            let outcomes = correlate(&sent, answers).expect("consistent");
+            for (i, outcome) in outcomes {
+                assert_eq!(outcome.is_err(), bad[i], "seed {seed}, message {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_return_for_a_message_the_batch_did_not_send_fails_the_batch() {
+        let sent = vec![(0, "a".to_owned())];
+        let answers = vec![Answer::Confirmed {
+            acked: true,
+            returned: returned("zzz"),
+        }];
+        assert!(correlate(&sent, answers).is_err());
+    }
+
+    #[test]
+    fn a_nack_is_a_refusal() {
+        let sent = vec![(0, "a".to_owned()), (1, "b".to_owned())];
+        let answers = vec![
+            Answer::Confirmed {
+                acked: false,
+                returned: None,
+            },
+            Answer::Confirmed {
+                acked: true,
+                returned: None,
+            },
+        ];
+        let outcomes = correlate(&sent, answers).expect("consistent");
+        assert!(outcomes[0].1.is_err());
+        assert_eq!(outcomes[1].1, Ok(Receipt::Amqp));
+    }
+
+    #[test]
+    fn the_size_limit_is_read_from_rabbitmqs_error() {
+        let e = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+            lapin::ChannelState::Closed,
+            "PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576",
+        ));
+        // The text above stands in for the broker's channel.close reason.
+        assert_eq!(size_limit_from(&e), Some(1_048_576));
+    }
+
+    #[test]
+    fn cloudevents_headers_replace_row_headers_that_spell_them() {
+        let env = Envelope {
+            seq: 1,
+            message_id: uuid::Uuid::nil(),
+            destination: "orders".into(),
+            ordering_key: None,
+            routing_key: String::new(),
+            headers: vec![
+                ("CE-Type".into(), "spoofed".into()),
+                ("ce-subject".into(), "kept".into()),
+                ("x-other".into(), "kept".into()),
+            ],
+            payload: Vec::new(),
+            content_type: Some("application/json".into()),
+            event_type: Some("order.paid".into()),
+            created_at: UNIX_EPOCH,
+            attempts: 0,
+        };
+        let ce = CloudEvents::new("/orders").expect("valid source");
+        let props = properties(&env, Some(&ce)).expect("properties");
+        let headers = props.headers().as_ref().expect("headers");
+        let names: Vec<&str> = headers.inner().keys().map(|k| k.as_str()).collect();
+        assert!(!names.contains(&"CE-Type"), "{names:?}");
+        assert!(names.contains(&"ce-subject") && names.contains(&"x-other"));
+        assert_eq!(
+            headers.inner().get("ce-type"),
+            Some(&AMQPValue::LongString(LongString::from("order.paid")))
+        );
+        for attribute in ["ce-id", "ce-source", "ce-specversion", "ce-time"] {
+            assert!(names.contains(&attribute), "{attribute} missing: {names:?}");
+        }
+        // Without the mode, nothing is added.
+        let plain = properties(&env, None).expect("properties");
+        let names: Vec<String> = plain
+            .headers()
+            .as_ref()
+            .expect("headers")
+            .inner()
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
+        assert_eq!(names.len(), 3, "{names:?}");
+    }
+}
