@@ -3,6 +3,10 @@
 //! The exchange and queue are durable so they survive a broker restart; the
 //! consumer reconnects on its own, like a real service would, and acks only
 //! after recording (so a redelivery shows up as a duplicate, never as a loss).
+//!
+//! Also small helpers for a test that drives lapin itself: a plain queue on
+//! the default exchange, publishing to it with confirms, consuming from it,
+//! its depth.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -10,11 +14,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
-    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use tokio_util::sync::CancellationToken;
 
 /// One message as the consumer saw it.
@@ -50,6 +55,96 @@ pub struct Fixture {
 
 async fn connect() -> lapin::Result<Connection> {
     Connection::connect(&crate::amqp_url(), ConnectionProperties::default()).await
+}
+
+/// A connection to the test broker, for a test that drives lapin itself;
+/// panics when RabbitMQ does not accept it.
+pub async fn connection() -> Connection {
+    connect().await.expect("connect to rabbitmq")
+}
+
+/// Declares a non-durable queue `name` (reachable through the default
+/// exchange by its name) with `args`, on `ch`.
+pub async fn declare_queue(ch: &Channel, name: &str, args: FieldTable) {
+    ch.queue_declare(name.into(), QueueDeclareOptions::default(), args)
+        .await
+        .expect("declare queue");
+}
+
+/// Ready messages in queue `name` (unacked ones excluded), by a passive declare.
+pub async fn queue_depth(name: &str) -> u32 {
+    let conn = connection().await;
+    let ch = conn.create_channel().await.expect("channel");
+    let q = ch
+        .queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("passive declare");
+    let _ = conn.close(200, "ok".into()).await;
+    q.message_count()
+}
+
+/// Deletes queue `name`; panics only when RabbitMQ cannot be reached.
+pub async fn delete_queue(name: &str) {
+    let conn = connection().await;
+    if let Ok(ch) = conn.create_channel().await {
+        let _ = ch
+            .queue_delete(name.into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "ok".into()).await;
+}
+
+/// Publishes `copies` identical messages (same body, same message id when
+/// given) to queue `queue` through the default exchange, and waits for the
+/// broker to confirm each.
+pub async fn publish(queue: &str, body: &str, message_id: Option<&str>, copies: usize) {
+    let conn = connection().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm mode");
+    for _ in 0..copies {
+        let mut props = BasicProperties::default();
+        if let Some(id) = message_id {
+            props = props.with_message_id(id.into());
+        }
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
+            .await
+            .expect("publish");
+        assert!(confirm.await.expect("confirm").is_ack(), "publish nacked");
+    }
+    let _ = conn.close(200, "ok".into()).await;
+}
+
+/// Starts consuming `queue` on `ch` with at most `prefetch` unacked
+/// deliveries, under a fresh consumer tag. The deliveries are not acked for
+/// the caller.
+pub async fn consume(ch: &Channel, queue: &str, prefetch: u16) -> lapin::Consumer {
+    ch.basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    ch.basic_consume(
+        queue.into(),
+        crate::unique("c").as_str().into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("consume")
 }
 
 /// Declares an exchange with no queue bound to it, so every publish is unroutable.

@@ -8,6 +8,7 @@ pub mod amqp;
 pub mod cgroup;
 pub mod check;
 pub mod db;
+pub mod idempotency;
 pub mod kafka;
 pub mod pgbouncer;
 pub mod process;

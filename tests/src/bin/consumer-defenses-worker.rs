@@ -1,4 +1,4 @@
-//! Jobs for the consumer-defenses suite, run as processes the suite can start
+//! Jobs for the jobs suite (tests/tests/jobs.rs), run as processes the suite can start
 //! side by side or SIGKILL.
 //!
 //! ```text

@@ -1,0 +1,262 @@
+//! Jobs that must not run twice, against a real Postgres: the cron lock
+//! (`job_lock`) across processes started at once, and released by a job that
+//! panics or is cancelled; and a checkpointed job SIGKILLed mid-run and
+//! restarted until done, applying each row once.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use outbox_client::job_lock::{run_exclusive, Exclusive};
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, unique};
+use rand::Rng;
+use tokio::process::Command;
+
+const WORKER_BIN: &str = env!("CARGO_BIN_EXE_consumer-defenses-worker");
+/// A ceiling on waits, never a claim about speed.
+const PATIENCE: Duration = Duration::from_secs(120);
+
+// ------------------------------------------------------------------- cron
+
+async fn cron_tables(db: &TestDb) {
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {s}.cron_runs (pid bigint NOT NULL); \
+             CREATE TABLE {s}.cron_release (at timestamptz DEFAULT now())"
+        ))
+        .await
+        .expect("cron tables");
+}
+
+/// Three processes start the same job at once: one runs it, two find it busy.
+/// The runner holds the lock until released, so the overlap does not depend on
+/// timing.
+#[tokio::test]
+async fn cron_job_started_by_three_processes_runs_once() {
+    let db = TestDb::new().await;
+    cron_tables(&db).await;
+    let job = unique("report");
+    let mut children: Vec<_> = (0..3)
+        .map(|_| {
+            Command::new(WORKER_BIN)
+                .args(["cron", db.schema.as_str(), job.as_str()])
+                .stdout(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("spawn worker")
+        })
+        .collect();
+    let runs = format!("SELECT count(*) FROM {}.cron_runs", db.schema.quoted());
+
+    // Wait for two processes to give up (busy) and one to be running the job.
+    let mut exits = Vec::new();
+    for child in &mut children {
+        exits.push(child.try_wait().expect("poll"));
+    }
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        for (i, child) in children.iter_mut().enumerate() {
+            if exits[i].is_none() {
+                exits[i] = child.try_wait().expect("poll");
+            }
+        }
+        let started: i64 = db.client.query_one(&runs, &[]).await.expect("runs").get(0);
+        if exits.iter().filter(|e| e.is_some()).count() == 2 && started == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no settled state: exits {exits:?}, runs {started}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let busy: Vec<_> = exits.iter().flatten().map(|s| s.code()).collect();
+    assert_eq!(busy, vec![Some(3), Some(3)], "the others found it busy");
+
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO {}.cron_release DEFAULT VALUES",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("release");
+    let mut outputs = Vec::new();
+    for child in children {
+        let out = tokio::time::timeout(PATIENCE, child.wait_with_output())
+            .await
+            .expect("worker exits")
+            .expect("wait");
+        outputs.push(String::from_utf8_lossy(&out.stdout).trim().to_owned());
+    }
+    outputs.sort();
+    assert_eq!(outputs, ["busy", "busy", "ran"]);
+    let started: i64 = db.client.query_one(&runs, &[]).await.expect("runs").get(0);
+    assert_eq!(started, 1, "the job ran once");
+    assert_eq!(advisory_locks_held(&db, &job).await, 0, "lock released");
+    db.cleanup().await;
+}
+
+async fn advisory_locks_held(db: &TestDb, name: &str) -> i64 {
+    db.client
+        .query_one(
+            "SELECT count(*) FROM pg_locks l, (SELECT hashtextextended($1, 0) AS k) h \
+             WHERE l.locktype = 'advisory' AND l.granted \
+               AND l.classid::bigint = ((h.k >> 32) & 4294967295) \
+               AND l.objid::bigint = (h.k & 4294967295)",
+            &[&name],
+        )
+        .await
+        .expect("pg_locks")
+        .get(0)
+}
+
+/// A job that panics releases the lock: the panic reaches the caller, and the
+/// next run takes the lock at once.
+#[tokio::test]
+async fn cron_job_that_panics_releases_the_lock() {
+    let db = TestDb::new().await;
+    let job = unique("panics");
+    let config = db.config.clone();
+    let name = job.clone();
+    let (running_tx, running_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        run_exclusive(&config, &name, |_| async move {
+            let _ = running_tx.send(());
+            tokio::task::yield_now().await;
+            panic!("job failed");
+        })
+        .await
+    });
+    let _ = running_rx.await;
+    let err = task.await.expect_err("the panic propagates");
+    assert!(err.is_panic());
+    assert!(
+        eventually(PATIENCE, || async {
+            advisory_locks_held(&db, &job).await == 0
+        })
+        .await,
+        "lock still held after the panic"
+    );
+    let again = run_exclusive(&db.config, &job, |_| async { 7 })
+        .await
+        .expect("lock");
+    assert_eq!(again, Exclusive::Ran(7));
+
+    // While one run holds the lock, another is busy; dropping the holder mid-job
+    // (cancellation) releases the lock too.
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel::<()>();
+    let config = db.config.clone();
+    let name = job.clone();
+    let holder = tokio::spawn(async move {
+        run_exclusive(&config, &name, |lease| async move {
+            assert!(lease.is_held());
+            let _ = held_tx.send(());
+            futures::future::pending::<()>().await;
+        })
+        .await
+    });
+    held_rx.await.expect("holder runs");
+    let busy = run_exclusive(&db.config, &job, |_| async {})
+        .await
+        .expect("lock query");
+    assert_eq!(busy, Exclusive::Busy);
+    holder.abort();
+    let _ = holder.await;
+    assert!(
+        eventually(PATIENCE, || async {
+            advisory_locks_held(&db, &job).await == 0
+        })
+        .await,
+        "lock still held after cancellation"
+    );
+    db.cleanup().await;
+}
+
+// ------------------------------------------------------------- checkpoint
+
+/// A checkpointed job over 100,000 rows, SIGKILLed at random points and
+/// restarted until done: every row's effect is applied exactly once.
+#[tokio::test]
+async fn checkpointed_job_killed_at_random_points_applies_each_row_once() {
+    const ROWS: i64 = 100_000;
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {s}.items (id bigint PRIMARY KEY, hits int NOT NULL DEFAULT 0); \
+             INSERT INTO {s}.items (id) SELECT g FROM generate_series(1, {ROWS}) g"
+        ))
+        .await
+        .expect("seed items");
+    let job = outbox_client::checkpoint::Checkpoint::new(db.schema.clone(), "recount")
+        .expect("checkpoint");
+    let spawn = || {
+        Command::new(WORKER_BIN)
+            .args(["checkpoint", db.schema.as_str(), "recount", "1000"])
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn worker")
+    };
+
+    let mut kills = 0;
+    let mut last_target = 0i64;
+    while kills < 5 {
+        // Random points, spread over the run and rising, so each restart resumes
+        // from a different place.
+        let target = last_target + rand::rng().random_range(2_000..18_000);
+        let mut child = spawn();
+        let reached = eventually(PATIENCE, || async {
+            job.position(&db.client)
+                .await
+                .expect("position")
+                .unwrap_or(0)
+                >= target
+        })
+        .await;
+        assert!(reached, "no progress to {target}");
+        assert!(
+            child.try_wait().expect("poll").is_none(),
+            "worker finished before it could be killed"
+        );
+        child.start_kill().expect("SIGKILL");
+        let _ = child.wait().await;
+        let at = job
+            .position(&db.client)
+            .await
+            .expect("position")
+            .unwrap_or(0);
+        println!("killed at position {at} (target {target})");
+        assert!(at < ROWS, "killed only after finishing");
+        last_target = at;
+        kills += 1;
+    }
+    let status = tokio::time::timeout(PATIENCE, spawn().wait())
+        .await
+        .expect("final run finishes")
+        .expect("wait");
+    assert!(status.success(), "final run failed: {status}");
+
+    let (total, once, position): (i64, i64, Option<i64>) = {
+        let r = db
+            .client
+            .query_one(
+                &format!("SELECT count(*), count(*) FILTER (WHERE hits = 1) FROM {s}.items"),
+                &[],
+            )
+            .await
+            .expect("count");
+        (
+            r.get(0),
+            r.get(1),
+            job.position(&db.client).await.expect("position"),
+        )
+    };
+    assert_eq!(total, ROWS);
+    assert_eq!(once, ROWS, "rows applied other than once");
+    assert_eq!(position, Some(ROWS));
+    db.cleanup().await;
+}
