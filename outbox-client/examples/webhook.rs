@@ -23,7 +23,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use outbox_client::inbox::{Inbox, Outcome};
+use outbox_client::inbox::{Arrival, Inbox};
 use outbox_client::SchemaName;
 use serde::Deserialize;
 use tokio_postgres::{Client, Config, NoTls};
@@ -63,17 +63,17 @@ async fn receive(
         (StatusCode::INTERNAL_SERVER_ERROR, "error\n")
     })?;
     Ok(match outcome {
-        Outcome::New => (StatusCode::OK, "applied\n"),
-        Outcome::Duplicate => (StatusCode::OK, "duplicate\n"),
+        Arrival::New => (StatusCode::OK, "applied\n"),
+        Arrival::Duplicate => (StatusCode::OK, "duplicate\n"),
     })
 }
 
-async fn apply(app: &App, event: &Event) -> Result<Outcome, Box<dyn std::error::Error>> {
+async fn apply(app: &App, event: &Event) -> Result<Arrival, Box<dyn std::error::Error>> {
     // One connection per request keeps the example small; use a pool in a service.
     let mut client = connect(&app.config).await?;
     let tx = client.transaction().await?;
     let outcome = app.inbox.process_once(&tx, CONSUMER, &event.id).await?;
-    if outcome == Outcome::New && event.kind == "credit.granted" {
+    if outcome == Arrival::New && event.kind == "credit.granted" {
         tx.execute(
             &format!(
                 "INSERT INTO {} (account, credits) VALUES ($1, $2) \

@@ -53,7 +53,7 @@ use std::future::Future;
 
 use tokio_postgres::{Client, Transaction};
 
-use crate::inbox::{Inbox, Outcome};
+use crate::inbox::{Arrival, Inbox};
 use crate::Error;
 
 #[cfg(feature = "amqp")]
@@ -117,7 +117,7 @@ impl<E> ConsumeError<E> {
 /// Records `message_id` for `consumer` and, if it is new, runs `handler` in the
 /// same transaction, then commits.
 ///
-/// Returns [`Outcome::Duplicate`] without calling the handler when the id was
+/// Returns [`Arrival::Duplicate`] without calling the handler when the id was
 /// already committed: the caller acknowledges it like any success. On any error
 /// nothing is committed. Acknowledge the message to the broker only after this
 /// returns `Ok`.
@@ -128,7 +128,7 @@ pub async fn apply_once<M, H>(
     message_id: &str,
     message: &M,
     handler: &H,
-) -> Result<Outcome, ConsumeError<H::Error>>
+) -> Result<Arrival, ConsumeError<H::Error>>
 where
     M: ?Sized + Sync,
     H: Handler<M>,
@@ -141,7 +141,7 @@ where
         .process_once(&tx, consumer, message_id)
         .await
         .map_err(ConsumeError::Inbox)?;
-    if outcome == Outcome::Duplicate {
+    if outcome == Arrival::Duplicate {
         // Nothing was written; ending the transaction either way is the same.
         tx.rollback()
             .await

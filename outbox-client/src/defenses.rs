@@ -40,10 +40,10 @@
 //!
 //! ```no_run
 //! # async fn f(client: &mut tokio_postgres::Client, message_id: &str) -> Result<(), Box<dyn std::error::Error>> {
-//! use outbox_client::inbox::{self, Outcome};
+//! use outbox_client::inbox::{self, Arrival};
 //!
 //! let tx = client.transaction().await?;
-//! if inbox::process_once(&tx, "billing", message_id).await? == Outcome::New {
+//! if inbox::process_once(&tx, "billing", message_id).await? == Arrival::New {
 //!     tx.execute("UPDATE accounts SET credits = credits + 100 WHERE id = 7", &[]).await?;
 //! }
 //! tx.commit().await?;
@@ -58,10 +58,10 @@
 //!
 //! ```no_run
 //! # async fn f(client: &mut tokio_postgres::Client, event_id: &str) -> Result<u16, Box<dyn std::error::Error>> {
-//! use outbox_client::inbox::{self, Outcome};
+//! use outbox_client::inbox::{self, Arrival};
 //!
 //! let tx = client.transaction().await?;
-//! if inbox::process_once(&tx, "stripe-webhook", event_id).await? == Outcome::New {
+//! if inbox::process_once(&tx, "stripe-webhook", event_id).await? == Arrival::New {
 //!     tx.execute("UPDATE orders SET state = 'paid' WHERE id = 42", &[]).await?;
 //! }
 //! tx.commit().await?;

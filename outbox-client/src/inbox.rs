@@ -6,10 +6,10 @@
 //!
 //! ```no_run
 //! # async fn example(client: &mut tokio_postgres::Client, id: &str) -> Result<(), Box<dyn std::error::Error>> {
-//! use outbox_client::inbox::{self, Outcome};
+//! use outbox_client::inbox::{self, Arrival};
 //!
 //! let tx = client.transaction().await?;
-//! if inbox::process_once(&tx, "billing", id).await? == Outcome::New {
+//! if inbox::process_once(&tx, "billing", id).await? == Arrival::New {
 //!     tx.execute("UPDATE accounts SET credits = credits + 100 WHERE id = $1", &[&7i64]).await?;
 //! }
 //! tx.commit().await?;
@@ -63,10 +63,10 @@ use tokio_postgres::{GenericClient, Transaction};
 
 use crate::{Error, SchemaName};
 
-/// Whether a delivery is seen for the first time.
+/// Whether a delivery arrives for the first time or again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[must_use = "a duplicate must skip the effect"]
-pub enum Outcome {
+pub enum Arrival {
     /// First time: apply the effect in the same transaction, then commit.
     New,
     /// Already applied (committed by an earlier or concurrent delivery). Skip the
@@ -74,10 +74,14 @@ pub enum Outcome {
     Duplicate,
 }
 
-impl Outcome {
-    /// True for [`Outcome::New`].
+/// The old name of [`Arrival`].
+#[deprecated(since = "0.1.0", note = "renamed to `Arrival`")]
+pub type Outcome = Arrival;
+
+impl Arrival {
+    /// True for [`Arrival::New`].
     pub fn is_new(self) -> bool {
-        self == Outcome::New
+        self == Arrival::New
     }
 }
 
@@ -131,7 +135,7 @@ impl Inbox {
         tx: &Transaction<'_>,
         consumer: &str,
         message_id: &str,
-    ) -> Result<Outcome, Error> {
+    ) -> Result<Arrival, Error> {
         check_key("consumer name", consumer)?;
         check_key("message id", message_id)?;
         let inserted = tx
@@ -139,9 +143,9 @@ impl Inbox {
             .await
             .map_err(|e| Error::from_db_no_conflict(&self.schema, e))?;
         Ok(if inserted == 1 {
-            Outcome::New
+            Arrival::New
         } else {
-            Outcome::Duplicate
+            Arrival::Duplicate
         })
     }
 
@@ -179,7 +183,7 @@ pub async fn process_once(
     tx: &Transaction<'_>,
     consumer: &str,
     message_id: &str,
-) -> Result<Outcome, Error> {
+) -> Result<Arrival, Error> {
     Inbox::default()
         .process_once(tx, consumer, message_id)
         .await

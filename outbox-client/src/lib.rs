@@ -57,7 +57,7 @@
 //! writers of one key serialize, for example by locking the aggregate's row
 //! (`SELECT ... FOR UPDATE`) *before* enqueueing. Two transactions that insert
 //! for the same key concurrently have no defined order between them.
-#![warn(missing_docs)]
+#![warn(missing_docs, unreachable_pub)]
 
 pub mod checkpoint;
 pub mod consumer;

@@ -62,7 +62,7 @@ pub(crate) struct Rows<'a> {
 impl<'a> Rows<'a> {
     /// Checks every message against `max_payload_bytes` before anything is
     /// written, and adds the enqueueing span's trace headers.
-    pub fn new(
+    pub(crate) fn new(
         messages: &'a [Message],
         ids: &[MessageId],
         max_payload_bytes: usize,

@@ -14,6 +14,8 @@
 //! `main` parses flags into a [`config::Config`] and calls [`run`]; tests and
 //! embedders build a [`Relay`] with any [`publish::Publisher`].
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod backoff;
 pub mod cli;
 pub mod config;

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use outbox_client::idempotency::{
-    Begin, Fingerprint, Idempotency, IdempotencyKey, Outcome, RunError, StoredResponse,
+    Begin, Fingerprint, Idempotency, IdempotencyKey, Reply, RunError, StoredResponse,
     WhenInProgress,
 };
 use outbox_tests::db::{connect, TestDb};
@@ -49,7 +49,7 @@ async fn run_once(
     table: &str,
     k: &IdempotencyKey,
     body: &str,
-) -> Outcome {
+) -> Reply {
     let table = table.to_owned();
     let body = body.to_owned();
     idempotency
@@ -117,7 +117,7 @@ async fn concurrent_begin_never_blocks_and_never_double_applies() {
     let outcome = run_once(&idempotency, &mut b, &table, &k, "x").await;
     assert_eq!(
         outcome,
-        Outcome::Replayed(StoredResponse::new(201, vec![], b"a".to_vec()))
+        Reply::Replayed(StoredResponse::new(201, vec![], b"a".to_vec()))
     );
     assert_eq!(count(&db, &table).await, 1);
     db.cleanup().await;
@@ -155,7 +155,7 @@ async fn waiter_runs_the_request_when_the_holder_rolls_back() {
         .await
         .expect("waiter finished within the ceiling")
         .expect("join");
-    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
     let notes: Vec<String> = db
         .client
         .query(&format!("SELECT note FROM {table}"), &[])
@@ -202,7 +202,7 @@ async fn a_crashed_process_leaves_no_stuck_key() {
         .clone()
         .when_in_progress(WhenInProgress::Wait(PATIENCE));
     let outcome = run_once(&waiting, &mut other, &table, &k, "x").await;
-    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
     let notes: Vec<String> = db
         .client
         .query(&format!("SELECT note FROM {table}"), &[])
@@ -242,7 +242,7 @@ async fn commit_without_a_stored_response_is_refused() {
 
     let mut other = connect(&db.config).await;
     let outcome = run_once(&idempotency, &mut other, &table, &k, "x").await;
-    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
     assert_eq!(count(&db, &table).await, 1);
     db.cleanup().await;
 }
@@ -288,7 +288,7 @@ async fn handler_error_from_run_is_returned_and_rolled_back() {
     );
     assert_eq!(count(&db, &table).await, 0);
     let outcome = run_once(&idempotency, &mut db.client, &table, &k, "x").await;
-    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
     assert_eq!(count(&db, &table).await, 1);
     db.cleanup().await;
 }
@@ -309,7 +309,7 @@ async fn expired_keys_run_again_and_cleanup_deletes_them_in_batches() {
             "x",
         )
         .await;
-        assert!(matches!(outcome, Outcome::Executed(_)));
+        assert!(matches!(outcome, Reply::Executed(_)));
     }
     let ttl: Vec<bool> = db
         .client
@@ -326,7 +326,7 @@ async fn expired_keys_run_again_and_cleanup_deletes_them_in_batches() {
 
     // Before expiry a reuse replays.
     let replay = run_once(&idempotency, &mut db.client, &table, &key("e0"), "x").await;
-    assert!(matches!(replay, Outcome::Replayed(_)), "{replay:?}");
+    assert!(matches!(replay, Reply::Replayed(_)), "{replay:?}");
     assert_eq!(count(&db, &table).await, 25);
 
     // Time passes for e0..e19 (moving the clock is not something a test can do).
@@ -343,11 +343,11 @@ async fn expired_keys_run_again_and_cleanup_deletes_them_in_batches() {
 
     // An expired key reused before cleanup has run: it runs again.
     let again = run_once(&idempotency, &mut db.client, &table, &key("e0"), "x").await;
-    assert!(matches!(again, Outcome::Executed(_)), "{again:?}");
+    assert!(matches!(again, Reply::Executed(_)), "{again:?}");
     assert_eq!(count(&db, &table).await, 26);
     // ... and counts as fresh: a new window, replayed from now on.
     let replay = run_once(&idempotency, &mut db.client, &table, &key("e0"), "x").await;
-    assert!(matches!(replay, Outcome::Replayed(_)), "{replay:?}");
+    assert!(matches!(replay, Reply::Replayed(_)), "{replay:?}");
 
     // 19 expired records left; batches of 7.
     let mut batches = Vec::new();
@@ -371,7 +371,7 @@ async fn expired_keys_run_again_and_cleanup_deletes_them_in_batches() {
 
     // A cleaned-up key runs again too.
     let cleaned = run_once(&idempotency, &mut db.client, &table, &key("e5"), "x").await;
-    assert!(matches!(cleaned, Outcome::Executed(_)), "{cleaned:?}");
+    assert!(matches!(cleaned, Reply::Executed(_)), "{cleaned:?}");
     assert_eq!(count(&db, &table).await, 27);
     db.cleanup().await;
 }
@@ -395,7 +395,7 @@ async fn scopes_keep_equal_keys_apart() {
             .await
             .expect("run");
         assert!(
-            matches!(outcome, Outcome::Executed(_)),
+            matches!(outcome, Reply::Executed(_)),
             "{scope}: {outcome:?}"
         );
     }
@@ -409,7 +409,7 @@ async fn a_huge_ttl_is_capped_rather_than_overflowing_the_timestamp() {
     let table = effects_table(&db).await;
     let idempotency = Idempotency::with_schema(db.schema.clone()).ttl(Duration::MAX);
     let outcome = run_once(&idempotency, &mut db.client, &table, &key("forever"), "x").await;
-    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
     let years: f64 = db
         .client
         .query_one(

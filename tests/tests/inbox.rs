@@ -15,7 +15,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use outbox_client::consumer::amqp::{AmqpInbox, MissingIdPolicy};
 use outbox_client::consumer::{apply_once, ConsumeError, Handler};
-use outbox_client::inbox::{Inbox, Outcome};
+use outbox_client::inbox::{Arrival, Inbox};
 use outbox_tests::amqp::{self, consume, declare_queue, delete_queue, publish, queue_depth};
 use outbox_tests::db::{connect, TestDb};
 use outbox_tests::{eventually, unique};
@@ -109,14 +109,14 @@ async fn inbox_records_in_the_callers_transaction() {
     let tx = db.client.transaction().await.expect("tx");
     assert_eq!(
         inbox.process_once(&tx, "c", "m-1").await.expect("check"),
-        Outcome::New
+        Arrival::New
     );
     tx.rollback().await.expect("rollback");
 
     let tx = db.client.transaction().await.expect("tx");
     assert_eq!(
         inbox.process_once(&tx, "c", "m-1").await.expect("check"),
-        Outcome::New,
+        Arrival::New,
         "a rolled-back record must not count"
     );
     tx.commit().await.expect("commit");
@@ -124,14 +124,14 @@ async fn inbox_records_in_the_callers_transaction() {
     let tx = db.client.transaction().await.expect("tx");
     assert_eq!(
         inbox.process_once(&tx, "c", "m-1").await.expect("check"),
-        Outcome::Duplicate
+        Arrival::Duplicate
     );
     assert_eq!(
         inbox
             .process_once(&tx, "other", "m-1")
             .await
             .expect("check"),
-        Outcome::New,
+        Arrival::New,
         "consumers are independent"
     );
     tx.commit().await.expect("commit");
@@ -154,7 +154,7 @@ async fn inbox_records_in_the_callers_transaction() {
     let tx = db.client.transaction().await.expect("tx");
     assert_eq!(
         inbox.process_once(&tx, "sql", "m-2").await.expect("check"),
-        Outcome::Duplicate
+        Arrival::Duplicate
     );
     drop(tx);
 
@@ -222,7 +222,7 @@ async fn ten_copies_to_four_consumers_apply_once() {
     declare_queue(&setup_ch, &queue, FieldTable::default()).await;
 
     let message_id = uuid::Uuid::now_v7().to_string();
-    let (tx, mut outcomes) = tokio::sync::mpsc::unbounded_channel::<(usize, Outcome)>();
+    let (tx, mut outcomes) = tokio::sync::mpsc::unbounded_channel::<(usize, Arrival)>();
     let mut consumers = Vec::new();
     for n in 0..4 {
         let config = db.config.clone();
@@ -277,7 +277,7 @@ async fn ten_copies_to_four_consumers_apply_once() {
     for c in consumers {
         c.abort();
     }
-    let new = seen.iter().filter(|(_, o)| *o == Outcome::New).count();
+    let new = seen.iter().filter(|(_, o)| *o == Arrival::New).count();
     let by_consumer = seen.iter().fold(HashMap::new(), |mut m, (n, _)| {
         *m.entry(*n).or_insert(0) += 1;
         m
@@ -323,7 +323,7 @@ async fn amqp_crash_between_commit_and_ack_is_recognized() {
         let outcome = apply_once(&mut client, &inbox, "counter", &message_id, &d, &handler)
             .await
             .expect("applied");
-        assert_eq!(outcome, Outcome::New);
+        assert_eq!(outcome, Arrival::New);
         let _ = conn.close(320, "crash".into()).await;
     }
     assert_eq!(applied(&db, &effects, "crash").await, 1);
@@ -343,7 +343,7 @@ async fn amqp_crash_between_commit_and_ack_is_recognized() {
         .handle(&mut client, &d, &handler)
         .await
         .expect("handled");
-    assert_eq!(outcome, Outcome::Duplicate);
+    assert_eq!(outcome, Arrival::Duplicate);
     let _ = conn.close(200, "ok".into()).await;
     assert_eq!(
         applied(&db, &effects, "crash").await,
@@ -393,7 +393,7 @@ async fn handler_error_means_redelivery_not_ack() {
         (false, Err(ConsumeError::Handler(EffectError::Injected)))
     ));
     assert!(
-        matches!(results[1], (true, Ok(Outcome::New))),
+        matches!(results[1], (true, Ok(Arrival::New))),
         "{results:?}"
     );
     let _ = conn.close(200, "ok".into()).await;
@@ -556,7 +556,7 @@ async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
         )
         .await
         .expect("applied");
-        assert_eq!(outcome, Outcome::New);
+        assert_eq!(outcome, Arrival::New);
         // Dropped without committing the offset.
     }
     assert_eq!(applied(&db, &effects, "k-crash").await, 1);
@@ -572,7 +572,7 @@ async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
         .handle(&mut client, &second, &record, &handler)
         .await
         .expect("handled");
-    assert_eq!(outcome, Outcome::Duplicate);
+    assert_eq!(outcome, Arrival::Duplicate);
     assert_eq!(applied(&db, &effects, "k-crash").await, 1);
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition(&topic, 0);

@@ -128,7 +128,7 @@ async fn the_app_enqueues_and_dedupes_through_a_transaction_pooler() {
             .expect("inbox");
         tx.commit().await.expect("commit");
         assert_eq!(
-            outcome == inbox::Outcome::New,
+            outcome == inbox::Arrival::New,
             round == 0,
             "round {round}: {outcome:?}"
         );

@@ -26,7 +26,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio_postgres::Client;
 
 use super::{apply_once, ConsumeError, Handler};
-use crate::inbox::{check_key, Inbox, Outcome};
+use crate::inbox::{check_key, Arrival, Inbox};
 use crate::Error;
 
 /// What to do with a delivery that has no `message_id` property.
@@ -79,7 +79,7 @@ impl AmqpInbox {
     }
 
     /// Processes one delivery: inbox check and handler in one transaction, commit,
-    /// then ack. A duplicate is acked and returns `Ok(Outcome::Duplicate)`.
+    /// then ack. A duplicate is acked and returns `Ok(Arrival::Duplicate)`.
     ///
     /// On a handler or database error the transaction is rolled back and the
     /// delivery is nacked with requeue, so it comes again. A message that always
@@ -90,7 +90,7 @@ impl AmqpInbox {
         client: &mut Client,
         delivery: &Delivery,
         handler: &H,
-    ) -> Result<Outcome, ConsumeError<H::Error>>
+    ) -> Result<Arrival, ConsumeError<H::Error>>
     where
         H: Handler<Delivery>,
     {

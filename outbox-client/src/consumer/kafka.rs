@@ -41,7 +41,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio_postgres::Client;
 
 use super::{apply_once, ConsumeError, Handler};
-use crate::inbox::{check_key, Inbox, Outcome};
+use crate::inbox::{check_key, Arrival, Inbox};
 use crate::Error;
 
 /// The record header that carries the message id (set by `outbox-relay`).
@@ -116,7 +116,7 @@ impl KafkaInbox {
 
     /// Processes one record: inbox check and handler in one transaction, commit,
     /// then commit the record's offset. A duplicate's offset is committed too and
-    /// it returns `Ok(Outcome::Duplicate)`.
+    /// it returns `Ok(Arrival::Duplicate)`.
     ///
     /// On a handler or database error nothing is committed and the consumer is
     /// sought back to this record, so the next read returns it again (Kafka has
@@ -132,7 +132,7 @@ impl KafkaInbox {
         consumer: &C,
         record: &M,
         handler: &H,
-    ) -> Result<Outcome, ConsumeError<H::Error>>
+    ) -> Result<Arrival, ConsumeError<H::Error>>
     where
         C: Consumer<X>,
         X: ConsumerContext + 'static,

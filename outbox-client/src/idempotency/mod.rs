@@ -12,7 +12,7 @@
 //!
 //! ```no_run
 //! # async fn example(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
-//! use outbox_client::idempotency::{Fingerprint, Idempotency, IdempotencyKey, Outcome, StoredResponse};
+//! use outbox_client::idempotency::{Fingerprint, Idempotency, IdempotencyKey, Reply, StoredResponse};
 //! use outbox_client::Message;
 //!
 //! let idempotency = Idempotency::new("outbox")?; // build once, at start-up
@@ -36,9 +36,9 @@
 //!     })
 //!     .await?;
 //! match outcome {
-//!     Outcome::Executed(response) | Outcome::Replayed(response) => { /* send it */ }
-//!     Outcome::InProgress { retry_after } => { /* 409, Retry-After */ }
-//!     Outcome::Mismatch => { /* 422 */ }
+//!     Reply::Executed(response) | Reply::Replayed(response) => { /* send it */ }
+//!     Reply::InProgress { retry_after } => { /* 409, Retry-After */ }
+//!     Reply::Mismatch => { /* 422 */ }
 //! }
 //! # Ok(()) }
 //! ```
@@ -248,9 +248,9 @@ pub enum Begin {
     Mismatch,
 }
 
-/// The result of [`Idempotency::run`].
+/// What to answer the request, as [`Idempotency::run`] decided it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Reply {
     /// The handler ran and its effect committed with this response.
     Executed(StoredResponse),
     /// An earlier request with this key had committed; this is its response.
@@ -263,6 +263,10 @@ pub enum Outcome {
     /// The key was used with a different request: answer 422.
     Mismatch,
 }
+
+/// The old name of [`Reply`].
+#[deprecated(since = "0.1.0", note = "renamed to `Reply`")]
+pub type Outcome = Reply;
 
 /// A failure of [`Idempotency::run`]: its own, or the handler's.
 #[derive(Debug, thiserror::Error)]
@@ -619,7 +623,7 @@ impl Idempotency {
     /// and commits: the handler's writes, its outbox messages and the response
     /// commit together. If the handler returns an error or panics, or the
     /// future is dropped, the transaction rolls back and the key stays free.
-    /// Any other answer rolls back at once and is returned as an [`Outcome`].
+    /// Any other answer rolls back at once and is returned as an [`Reply`].
     ///
     /// `client` can be any pooled connection that dereferences to a
     /// [`Client`] (deadpool-postgres, bb8-postgres).
@@ -630,16 +634,16 @@ impl Idempotency {
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
         handler: F,
-    ) -> Result<Outcome, RunError<E>>
+    ) -> Result<Reply, RunError<E>>
     where
         F: for<'t> FnOnce(&'t Transaction<'t>) -> BoxFuture<'t, Result<StoredResponse, E>>,
     {
         let tx = client.transaction().await.map_err(Error::Database)?;
         let answer = match self.begin(&tx, scope, key, fingerprint).await? {
             Begin::New(pending) => Ok(pending),
-            Begin::Replay(r) => Err(Outcome::Replayed(r)),
-            Begin::InProgress { retry_after } => Err(Outcome::InProgress { retry_after }),
-            Begin::Mismatch => Err(Outcome::Mismatch),
+            Begin::Replay(r) => Err(Reply::Replayed(r)),
+            Begin::InProgress { retry_after } => Err(Reply::InProgress { retry_after }),
+            Begin::Mismatch => Err(Reply::Mismatch),
         };
         let pending = match answer {
             Ok(pending) => pending,
@@ -657,7 +661,7 @@ impl Idempotency {
         };
         self.complete(&tx, pending, &response).await?;
         tx.commit().await.map_err(Error::Database)?;
-        Ok(Outcome::Executed(response))
+        Ok(Reply::Executed(response))
     }
 
     /// Deletes up to `batch` expired records and returns how many it deleted.

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use crate::ops::{Blocker, DeadLetter, Located, Location, Status};
 
 /// An age as an operator reads it: 42s, 17m, 3.5h; "-" when unknown.
-pub fn human_age(secs: Option<f64>) -> String {
+pub(super) fn human_age(secs: Option<f64>) -> String {
     match secs {
         None => "-".into(),
         Some(s) if s < 120.0 => format!("{s:.0}s"),
@@ -16,7 +16,7 @@ pub fn human_age(secs: Option<f64>) -> String {
 }
 
 /// A destination as an operator reads it: AMQP's default exchange has no name.
-pub fn destination_name(d: &str) -> &str {
+pub(super) fn destination_name(d: &str) -> &str {
     if d.is_empty() {
         "(default exchange)"
     } else {
@@ -29,7 +29,7 @@ fn shown<T: std::fmt::Display>(v: Option<T>) -> String {
 }
 
 /// `outbox-relay status`.
-pub fn status_text(v: &Status) -> String {
+pub(super) fn status_text(v: &Status) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "outbox schema {}", v.schema);
     if v.backlog.is_empty() {
@@ -139,7 +139,7 @@ pub fn status_text(v: &Status) -> String {
 }
 
 /// `dead-letters list`, or with `detailed` `dead-letters show`.
-pub fn dead_letters_text(list: &[DeadLetter], detailed: bool) -> String {
+pub(super) fn dead_letters_text(list: &[DeadLetter], detailed: bool) -> String {
     let mut o = String::new();
     if list.is_empty() {
         let _ = writeln!(o, "no dead letters match");
@@ -194,7 +194,7 @@ fn receipt_text(r: &serde_json::Value) -> String {
 }
 
 /// `outbox-relay locate`.
-pub fn locate_text(v: &Located) -> String {
+pub(super) fn locate_text(v: &Located) -> String {
     let id = v.message_id;
     match &v.location {
         Location::Pending(w)

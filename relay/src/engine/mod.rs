@@ -26,7 +26,9 @@ use crate::source::ownership::{self, OwnershipSettings};
 use crate::source::{self, listener, retention, Database};
 use crate::Error;
 
+mod hooks;
 mod plan;
+mod record;
 mod worker;
 
 use worker::{Idle, Worker};

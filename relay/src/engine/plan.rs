@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::Settings;
 use crate::backoff::delay_for;
 use crate::envelope::{Envelope, Receipt};
-use crate::publish::{Outcome, Publisher};
+use crate::publish::{Publisher, Verdict};
 
 /// What to do with each row of a published batch.
 #[derive(Debug, Default, PartialEq)]
@@ -50,7 +50,7 @@ pub(super) fn plan_waves<P: Publisher>(publisher: &P, batch: &[Envelope]) -> Vec
 pub(super) async fn publish_in_waves<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
-) -> Result<Vec<Option<Outcome>>, crate::publish::PublishError> {
+) -> Result<Vec<Option<Verdict>>, crate::publish::PublishError> {
     let waves = plan_waves(publisher, batch);
     let last_wave = waves.iter().copied().max().unwrap_or(0);
     if last_wave == 0 {
@@ -61,7 +61,7 @@ pub(super) async fn publish_in_waves<P: Publisher>(
             .map(Some)
             .collect());
     }
-    let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+    let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
     let mut refused: HashSet<&str> = HashSet::new();
     for wave in 0..=last_wave {
         let members: Vec<usize> = (0..batch.len())
@@ -97,7 +97,7 @@ pub(super) async fn publish_in_waves<P: Publisher>(
 /// either, so they are published again after the refused one.
 pub(super) fn settle_plan<'a>(
     batch: &'a [Envelope],
-    outcomes: &[Option<Outcome>],
+    outcomes: &[Option<Verdict>],
     settings: &Settings,
 ) -> SettlePlan<'a> {
     let mut plan = SettlePlan::default();
@@ -210,7 +210,7 @@ mod tests {
             env(5, Some("a")),
             env(6, Some("b")),
         ];
-        let outcomes: Vec<Option<Outcome>> = vec![
+        let outcomes: Vec<Option<Verdict>> = vec![
             Err(Rejection::retryable("no route")),
             Ok(Receipt::Memory),
             Ok(Receipt::Memory),

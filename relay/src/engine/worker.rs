@@ -1,17 +1,17 @@
 //! One worker's loop: claim a batch, publish it in waves, settle it, and
 //! decide how long to pause; plus what it records about each batch.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-use super::plan::{publish_in_waves, settle_plan, SettlePlan};
+use super::hooks;
+use super::plan::{publish_in_waves, settle_plan};
+use super::record::record_settled;
 use super::Settings;
 use crate::backoff::Backoff;
-use crate::envelope::Envelope;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::{ClaimLimits, Prepared, Queries};
@@ -48,7 +48,7 @@ fn budget_share(bytes: usize, budget_kib: u32) -> u32 {
         .clamp(1, budget_kib.max(1))
 }
 
-enum BatchEnd {
+pub(super) enum BatchEnd {
     /// Nothing to publish; `behind` when rows are waiting behind another
     /// batch in flight (older rows of their keys), so work will be there as
     /// soon as it settles.
@@ -81,7 +81,7 @@ pub(super) struct Idle {
 const STANDBY_RECHECK: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
-enum BatchError {
+pub(super) enum BatchError {
     #[error("postgres: {}", source::PgError(.0))]
     Postgres(tokio_postgres::Error),
     #[error("broker: {0}")]
@@ -384,82 +384,5 @@ impl<P: Publisher> Worker<P> {
             "batch settled"
         );
         Ok(BatchEnd::Settled { more })
-    }
-}
-
-fn count_by_destination(
-    batch: &[Envelope],
-    pick: impl Fn(&Envelope) -> bool,
-    result: &'static str,
-) {
-    let mut counts: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
-    for env in batch.iter().filter(|e| pick(e)) {
-        *counts.entry(env.destination.as_str()).or_default() += 1;
-    }
-    for (destination, n) in counts {
-        metrics::counter!(crate::metrics::MESSAGES, "destination" => crate::metrics::destination_label(destination), "result" => result)
-            .increment(n);
-    }
-}
-
-fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
-    let deleted: HashSet<i64> = plan.published.iter().map(|p| p.0.seq).collect();
-    let failed: HashSet<i64> = plan.failed.iter().map(|f| f.0).collect();
-    let dead: HashSet<i64> = plan.dead.iter().map(|d| d.0).collect();
-    count_by_destination(batch, |e| deleted.contains(&e.seq), "published");
-    count_by_destination(batch, |e| failed.contains(&e.seq), "rejected");
-    count_by_destination(batch, |e| dead.contains(&e.seq), "dead_lettered");
-    metrics::counter!(crate::metrics::RETRIES).increment(plan.failed.len() as u64);
-    let now = std::time::SystemTime::now();
-    let latency = metrics::histogram!(crate::metrics::COMMIT_TO_CONFIRM);
-    for env in batch.iter().filter(|e| deleted.contains(&e.seq)) {
-        if let Ok(d) = now.duration_since(env.created_at) {
-            latency.record(d.as_secs_f64());
-        }
-    }
-}
-
-impl<P: Publisher> Worker<P> {
-    /// The ack-before-confirm mutant: deletes and commits, then publishes and
-    /// ignores the answer. Only ever called when that mutant is selected.
-    async fn settle_before_confirm(
-        &self,
-        tx: tokio_postgres::Transaction<'_>,
-        batch: &[Envelope],
-    ) -> Result<BatchEnd, BatchError> {
-        let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
-        self.queries.delete(&tx, &seqs).await?;
-        tx.commit().await?;
-        let _ = publish_in_waves(self.publisher.as_ref(), batch).await;
-        self.stats.count(Event::Published, seqs.len() as u64);
-        Ok(BatchEnd::Settled { more: true })
-    }
-}
-
-/// The correctness suite's deliberately broken behaviours (feature
-/// `mutants`); without the feature these are no-ops the compiler removes.
-mod hooks {
-    use crate::envelope::Envelope;
-
-    /// The claimed batch, as the watermark mutant would cut it.
-    pub(super) fn claimed(batch: Vec<Envelope>) -> Vec<Envelope> {
-        #[cfg(feature = "mutants")]
-        return crate::mutants::apply_watermark(batch);
-        #[cfg(not(feature = "mutants"))]
-        batch
-    }
-
-    /// Whether the ack-before-confirm mutant is selected.
-    pub(super) fn settles_before_confirm() -> bool {
-        #[cfg(feature = "mutants")]
-        return crate::mutants::active() == Some(crate::mutants::Mutant::AckBeforeConfirm);
-        #[cfg(not(feature = "mutants"))]
-        false
-    }
-
-    /// The crash-after-ack failpoint.
-    pub(super) fn after_ack() {
-        #[cfg(feature = "mutants")]
-        crate::mutants::after_ack();
     }
 }

@@ -23,7 +23,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::cloudevents::CloudEvents;
-use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
+use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 
 /// Settings for [`KafkaPublisher`].
 #[derive(Clone)]
@@ -246,9 +246,9 @@ fn headers(env: &Envelope, cloudevents: Option<&CloudEvents>) -> OwnedHeaders {
 }
 
 impl Publisher for KafkaPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Outcome>, PublishError> {
+    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
         let producer = self.producer();
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+        let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         let mut pending = Vec::with_capacity(batch.len());
         // Keys with a record librdkafka refused here (too large, invalid):
         // their later records are not queued, so nothing overtakes the

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use uuid::Uuid;
 
-use super::{Envelope, Outcome, PublishError, Publisher, Receipt, Rejection};
+use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 
 #[derive(Debug, Default)]
 struct State {
@@ -70,7 +70,7 @@ impl MemoryPublisher {
 }
 
 impl Publisher for MemoryPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Outcome>, PublishError> {
+    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
         let mut state = self.state();
         state.batches += 1;
         if state.down {

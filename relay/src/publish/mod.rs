@@ -43,7 +43,7 @@ impl Rejection {
 }
 
 /// The broker's answer for one message of a batch, in batch order.
-pub type Outcome = Result<Receipt, Rejection>;
+pub type Verdict = Result<Receipt, Rejection>;
 
 /// The whole batch could not be published: the broker is unreachable, the
 /// connection dropped, or confirms did not arrive in time. Every message of the
@@ -87,7 +87,7 @@ pub trait Publisher: Send + Sync + 'static {
     fn publish<'a>(
         &'a self,
         batch: &'a [Envelope],
-    ) -> impl Future<Output = Result<Vec<Outcome>, PublishError>> + Send + 'a;
+    ) -> impl Future<Output = Result<Vec<Verdict>, PublishError>> + Send + 'a;
 
     /// Whether two messages of one key share their fate at the broker: if the
     /// first is refused, so is the second. The relay sends a key's messages in

@@ -57,29 +57,6 @@ impl std::fmt::Display for PgError<'_> {
     }
 }
 
-/// Opens a connection for the relay's own use and drives it in the background.
-///
-/// `synchronous_commit = off`: the relay's transactions only delete or annotate
-/// rows the broker already answered for. If a crash loses such a commit, the
-/// rows come back and are published again: a duplicate, never a loss. Waiting
-/// for the WAL flush on every batch would buy nothing.
-///
-/// `idle_in_transaction_session_timeout` bounds how long a relay that stopped
-/// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
-/// server ends the session, releases the rows, and the relay's own late delete
-/// fails with it, so it can never settle rows someone else has since claimed.
-///
-/// `plan_cache_mode = force_generic_plan`: the claim is prepared once per
-/// connection and its plan does not depend on the parameter values (batch
-/// size, partitions, byte limit); planning it afresh for every batch, as
-/// Postgres does for the first executions and whenever a custom plan looks
-/// cheaper, cost most of a millisecond per claim.
-///
-/// Every other step of a batch fits in the same bound: `statement_timeout`
-/// (half the hold limit) stops a claim or settle that hangs on the server,
-/// and TCP keepalives with `tcp_user_timeout` (also half) end a connection
-/// whose peer vanished, which the kernel would otherwise keep for two hours.
-///
 /// Whether a failed connection attempt is worth repeating: no answer or a
 /// refused connection (the server is down or restarting), "the database
 /// system is starting up", or "too many connections". Anything else the
@@ -127,6 +104,28 @@ pub async fn wait_for_postgres(db: &Database, wait: Duration) -> Result<(), toki
     }
 }
 
+/// Opens a connection for the relay's own use and drives it in the background.
+///
+/// `synchronous_commit = off`: the relay's transactions only delete or annotate
+/// rows the broker already answered for. If a crash loses such a commit, the
+/// rows come back and are published again: a duplicate, never a loss. Waiting
+/// for the WAL flush on every batch would buy nothing.
+///
+/// `idle_in_transaction_session_timeout` bounds how long a relay that stopped
+/// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
+/// server ends the session, releases the rows, and the relay's own late delete
+/// fails with it, so it can never settle rows someone else has since claimed.
+///
+/// `plan_cache_mode = force_generic_plan`: the claim is prepared once per
+/// connection and its plan does not depend on the parameter values (batch
+/// size, partitions, byte limit); planning it afresh for every batch, as
+/// Postgres does for the first executions and whenever a custom plan looks
+/// cheaper, cost most of a millisecond per claim.
+///
+/// Every other step of a batch fits in the same bound: `statement_timeout`
+/// (half the hold limit) stops a claim or settle that hangs on the server,
+/// and TCP keepalives with `tcp_user_timeout` (also half) end a connection
+/// whose peer vanished, which the kernel would otherwise keep for two hours.
 pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, tokio_postgres::Error> {
     let half = hold_limit / 2;
     let client = db.with_dead_peer_bound(half).connect_spawned().await?;

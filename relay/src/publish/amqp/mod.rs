@@ -23,7 +23,7 @@ use lapin::{Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
 use super::cloudevents::CloudEvents;
-use super::{Envelope, Outcome, PublishError, Publisher, Rejection};
+use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
 use wire::{correlate, properties, Answer, Returned};
 
 mod link;
@@ -127,7 +127,7 @@ impl AmqpPublisher {
 }
 
 impl Publisher for AmqpPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Outcome>, PublishError> {
+    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
         let connection = self.connection().await?;
         if connection.status().blocked() {
             // Anything sent now would sit in the socket until the alarm
@@ -139,7 +139,7 @@ impl Publisher for AmqpPublisher {
         let missing = self.missing_exchanges(&connection, batch).await?;
         let channel = self.take_channel(&connection).await?;
 
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
+        let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         // Keys with a message refused here: their later messages are not sent
         // (they wait for the refused one, like after a broker refusal).
         let mut refused: HashSet<&str> = HashSet::new();

@@ -10,7 +10,7 @@ use lapin::BasicProperties;
 
 use crate::envelope::Envelope;
 use crate::publish::cloudevents::CloudEvents;
-use crate::publish::{Outcome, PublishError, Receipt, Rejection};
+use crate::publish::{PublishError, Receipt, Rejection, Verdict};
 
 pub(super) fn is_not_found(e: &lapin::Error) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404)
@@ -113,7 +113,7 @@ impl Returned {
 pub(super) fn correlate(
     sent: &[(usize, String)],
     answers: Vec<Answer>,
-) -> Result<Vec<(usize, Outcome)>, PublishError> {
+) -> Result<Vec<(usize, Verdict)>, PublishError> {
     let mut returns: HashMap<String, String> = HashMap::new();
     let mut confirmed = Vec::with_capacity(answers.len());
     for answer in answers {

@@ -15,12 +15,13 @@
 
 use std::time::{Duration, SystemTime};
 
-use outbox_client::SchemaName;
 use tokio_postgres::types::Type;
 use tokio_postgres::{Client, Row, Statement, Transaction};
 use uuid::Uuid;
 
 use crate::envelope::{Envelope, Receipt};
+
+mod statements;
 
 /// The statements a worker runs for every batch, prepared once per connection:
 /// Postgres parses them once per session instead of once per batch.
@@ -70,144 +71,6 @@ pub struct Queries {
 }
 
 impl Queries {
-    /// Statements for the outbox in `schema`. With `park`, a dead-lettered
-    /// message holds back the later messages of its key until it is retried or
-    /// discarded; without, they go ahead. With `retain`, confirmed rows move
-    /// to the `published` table with their receipts instead of being deleted.
-    pub fn new(schema: &SchemaName, park: bool, retain: bool) -> Self {
-        let t = format!("{}.messages", schema.quoted());
-        let dl = format!("{}.dead_letters", schema.quoted());
-        let pb = format!("{}.published", schema.quoted());
-        let pd = format!("{}.paused_destinations", schema.quoted());
-        let parked_from = if park {
-            format!("(SELECT min(d.seq) FROM {dl} d WHERE d.ordering_key = k.k)")
-        } else {
-            "NULL::bigint".to_owned()
-        };
-        Queries {
-            // Two locking scans, each bounded by the batch size: fresh rows in
-            // seq order, and rows whose own time has come (retries, and rows
-            // set aside behind their key's head). Neither walks rows that are
-            // waiting, so what a blocked key holds back costs nothing here.
-            //
-            // The columns come from the locking scans themselves. A row another
-            // batch settled after this statement's snapshot was taken is
-            // returned as its newest, locked version; read back through a
-            // second scan of the table it would show the snapshot's version,
-            // with a stale `attempts`, and a message would be retried once more
-            // than `max_attempts` allows. A large payload stays TOASTed (a
-            // pointer) until it is sent, and only rows that go out send it.
-            //
-            // `kept` is the oldest prefix of the locked rows that fits the
-            // batch's row and byte limits (one row always fits), so every row
-            // left out is younger than every row kept. A kept row is blocked
-            // when its destination is paused, when an older kept row of its
-            // key goes to a paused destination, when an older row of its key
-            // is not kept (in flight elsewhere, waiting out a retry, set
-            // aside) or, when parking, an older message of its key is
-            // dead-lettered. A blocked row is returned
-            // without its payload, with the time to set it aside until when
-            // its blocker is waiting (nothing when the blocker is merely in
-            // flight in another batch).
-            claim: format!(
-                "WITH fresh AS ( \
-                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
-                    FROM {t} \
-                    WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
-                    ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
-                 ), due AS ( \
-                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
-                    FROM {t} \
-                    WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
-                      AND partition = ANY($2::smallint[]) \
-                    ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
-                 ), cand AS ( \
-                    SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before, \
-                           c.destination IN (SELECT destination FROM {pd}) AS paused \
-                    FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c \
-                    WINDOW w AS (ORDER BY c.seq) \
-                 ), kept AS ( \
-                    SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $3) \
-                 ), keys AS ( \
-                    SELECT ordering_key AS k, max(seq) AS top, \
-                           min(seq) FILTER (WHERE paused) AS paused_from FROM kept \
-                    WHERE ordering_key IS NOT NULL GROUP BY 1 \
-                 ), gate AS ( \
-                    SELECT k.k, k.paused_from, b.seq AS gap, b.next_attempt_at AS gap_until, \
-                           {parked_from} AS parked_from \
-                    FROM keys k LEFT JOIN LATERAL ( \
-                        SELECT p.seq, p.next_attempt_at FROM {t} p \
-                        WHERE p.ordering_key = k.k AND p.seq < k.top \
-                          AND p.seq NOT IN (SELECT seq FROM kept) \
-                        ORDER BY p.seq LIMIT 1) b ON true \
-                 ), verdict AS ( \
-                    SELECT m.*, \
-                           m.paused OR coalesce(g.paused_from <= m.seq, false) \
-                             OR coalesce(g.gap < m.seq, false) OR coalesce(g.parked_from < m.seq, false) AS blocked, \
-                           CASE WHEN m.paused OR g.paused_from <= m.seq OR g.parked_from < m.seq \
-                                  THEN greatest(now() + make_interval(secs => $4), g.gap_until) \
-                                WHEN g.gap < m.seq AND g.gap_until > now() THEN g.gap_until \
-                           END AS hold_until \
-                    FROM kept m LEFT JOIN gate g ON g.k = m.ordering_key \
-                 ) \
-                 SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
-                        v.content_type, v.event_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
-                        CASE WHEN v.blocked THEN NULL ELSE v.payload END AS payload \
-                 FROM verdict v \
-                 ORDER BY v.seq"
-            ),
-            hold: format!(
-                "UPDATE {t} AS m SET next_attempt_at = u.until \
-                 FROM unnest($1::bigint[], $2::timestamptz[]) AS u(seq, until) \
-                 WHERE m.seq = u.seq AND m.next_attempt_at < u.until"
-            ),
-            dead_letter: format!(
-                "WITH f AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS f(seq, err)), \
-                 moved AS (DELETE FROM {t} m USING f WHERE m.seq = f.seq RETURNING m.*, f.err) \
-                 INSERT INTO {dl} (seq, message_id, destination, ordering_key, routing_key, headers, \
-                                   payload, content_type, event_type, created_at, attempts, last_error, last_attempt_at) \
-                 SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
-                        content_type, event_type, created_at, attempts + 1, err, now() FROM moved"
-            ),
-            delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
-            fail: format!(
-                "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = u.err, \
-                    last_attempt_at = statement_timestamp(), \
-                    next_attempt_at = statement_timestamp() + make_interval(secs => u.delay) \
-                 FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS u(seq, err, delay) \
-                 WHERE m.seq = u.seq"
-            ),
-            note_batch_error: format!(
-                "UPDATE {t} SET last_error = $2, last_attempt_at = now() WHERE seq = ANY($1)"
-            ),
-            // Names the newest column, so a schema a migration behind is refused
-            // at start-up rather than at the first claim.
-            exists: format!("SELECT event_type FROM {t} LIMIT 0"),
-            // statement_timestamp(): when the settle ran, after the confirms
-            // arrived (now() would be the claim's time, before publishing).
-            retain: retain.then(|| {
-                format!(
-                    "WITH r AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS r(seq, receipt)), \
-                     moved AS (DELETE FROM {t} m USING r WHERE m.seq = r.seq RETURNING m.*, r.receipt) \
-                     INSERT INTO {pb} (seq, message_id, destination, ordering_key, routing_key, headers, \
-                                       payload, content_type, event_type, created_at, attempts, published_at, receipt) \
-                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
-                            content_type, event_type, created_at, attempts, statement_timestamp(), receipt::jsonb \
-                     FROM moved"
-                )
-            }),
-            // SKIP LOCKED: two replicas cleaning at once split the work instead
-            // of queueing on each other's rows.
-            purge: format!(
-                "DELETE FROM {pb} WHERE seq IN ( \
-                    SELECT seq FROM {pb} WHERE published_at < now() - make_interval(secs => $1) \
-                    ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
-            ),
-        }
-    }
-
     /// Fails with the database's error when the outbox table is missing.
     pub async fn check_schema(
         &self,
