@@ -6,12 +6,10 @@ use outbox_client::Message;
 use outbox_tests::amqp::{self, Fixture};
 use outbox_tests::check::check;
 use outbox_tests::db::TestDb;
-use outbox_tests::process::RelayProcess;
 use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
 
 const TMP: &str = env!("CARGO_TARGET_TMPDIR");
-const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
 /// Ceiling on waits for delivery; a healthy run needs a small fraction of it.
 const PATIENCE: Duration = Duration::from_secs(120);
 
@@ -344,82 +342,6 @@ async fn notify_switch_and_polling_fallback() {
     );
 
     notified.stop().await;
-    rabbit.cleanup().await;
-    db.cleanup().await;
-}
-
-/// kill -9 mid-run, restart: nothing lost, duplicates only from in-flight batches.
-#[tokio::test]
-async fn kill_9_mid_run_loses_nothing() {
-    let started = std::time::Instant::now();
-    outbox_tests::init_logging();
-    let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let batch = 100usize;
-    let pipeline = 2usize;
-    let env = vec![
-        ("OUTBOX_SCHEMA", db.schema.to_string()),
-        ("OUTBOX_BATCH_SIZE", batch.to_string()),
-        ("OUTBOX_PIPELINE", pipeline.to_string()),
-        ("OUTBOX_POLL_INTERVAL", "200ms".to_string()),
-    ];
-
-    // A backlog first, so the kill lands while batches are in flight.
-    let spec = Spec::new(&rabbit.exchange, 4, 40, 6_000);
-    let written = workload::run(&db.config, &db.outbox(), &spec).await;
-
-    let mut kills = 0usize;
-    let mut relay = RelayProcess::start(RELAY_BIN, &env);
-    for _ in 0..3 {
-        let before = rabbit.count();
-        // Kill after the relay has made some progress, not before it connected.
-        assert!(
-            eventually(PATIENCE, || async {
-                rabbit.count() > before + 300 || db.pending().await == 0
-            })
-            .await
-        );
-        if db.pending().await == 0 {
-            break;
-        }
-        relay.kill9().await;
-        kills += 1;
-        relay = RelayProcess::start(RELAY_BIN, &env);
-    }
-    assert!(
-        kills >= 1,
-        "the relay finished before it could be killed; grow the backlog"
-    );
-    assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "outbox not drained"
-    );
-    assert!(
-        eventually(PATIENCE, || async {
-            rabbit.count() >= written.committed.len()
-        })
-        .await,
-        "deliveries missing"
-    );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    relay.signal("TERM").await;
-    assert_eq!(relay.wait().await, Some(0), "SIGTERM exits 0");
-
-    let report = check(&written, &seen_amqp(&rabbit.deliveries()));
-    outbox_tests::check::record(
-        TMP,
-        &format!("amqp: kill -9 x{kills} with a backlog"),
-        &report,
-        started.elapsed(),
-        Some(kills * batch * pipeline),
-    );
-    assert!(report.is_clean(), "{report}");
-    let bound = kills * batch * pipeline;
-    assert!(
-        report.duplicates <= bound,
-        "duplicates {} exceed kills x batch x pipeline = {bound}",
-        report.duplicates
-    );
     rabbit.cleanup().await;
     db.cleanup().await;
 }

@@ -132,6 +132,62 @@ async fn s02_kafka_kill_9_at_random_intervals() {
     kill_9_at_random_intervals(Sink::kafka(&outbox_tests::kafka_brokers()).await, 4_000).await;
 }
 
+/// Scenario 12: a backlog first, then kill -9 while its batches are in
+/// flight, up to three times; each restart picks up where the rows are.
+async fn kill_9_with_a_backlog(sink: Sink, messages: usize) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let env = env_for(&db, &sink, None);
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(messages))).await;
+    let mut kills = 0usize;
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    for _ in 0..3 {
+        let before = sink.count();
+        // Kill after the relay has made some progress, not before it connected.
+        assert!(
+            eventually(PATIENCE, || async {
+                sink.count() > before + 300 || db.pending().await == 0
+            })
+            .await
+        );
+        if db.pending().await == 0 {
+            break;
+        }
+        relay.kill9().await;
+        kills += 1;
+        relay = RelayProcess::start(RELAY_BIN, &env);
+    }
+    assert!(
+        kills >= 1,
+        "the relay finished before it could be killed; grow the backlog"
+    );
+    let report = settle(&db, &sink, &written).await;
+    let bound = kills * BATCH * (PIPELINE + 1);
+    record(
+        TMP,
+        &format!("{}: kill -9 x{kills} with a backlog", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(bound),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(report.duplicates <= bound, "{report}");
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s12_amqp_kill_9_with_a_backlog() {
+    kill_9_with_a_backlog(Sink::amqp().await, 6_000).await;
+}
+
+#[tokio::test]
+async fn s12_kafka_kill_9_with_a_backlog() {
+    kill_9_with_a_backlog(Sink::kafka(&outbox_tests::kafka_brokers()).await, 10_000).await;
+}
+
 /// Scenario 3: the relay dies after the broker confirmed a batch and before the
 /// rows were deleted. That batch is delivered twice; nothing is lost.
 async fn crash_between_broker_ack_and_delete(sink: Sink) {
