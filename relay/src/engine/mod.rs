@@ -27,11 +27,13 @@ use crate::source::{self, listener, retention, Database};
 use crate::Error;
 
 mod hooks;
+mod idle;
 mod plan;
 mod record;
 mod worker;
 
-use worker::{Idle, Worker};
+use idle::Idle;
+use worker::Worker;
 
 /// How the relay loop behaves; see the `run` flags for what each default means.
 #[derive(Debug, Clone)]

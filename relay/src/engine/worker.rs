@@ -8,6 +8,7 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 use super::hooks;
+use super::idle::{Idle, STANDBY_RECHECK};
 use super::plan::{publish_in_waves, settle_plan};
 use super::record::record_settled;
 use super::Settings;
@@ -17,7 +18,7 @@ use crate::publish::Publisher;
 use crate::source::claim::{ClaimLimits, Prepared, Queries};
 use crate::source::ownership::Owned;
 use crate::source::{self, Database};
-use crate::supervise::sleep_or_cancel;
+use crate::supervise::{sleep_or_cancel, supervise};
 
 pub(super) struct Worker<P: Publisher> {
     pub(super) id: usize,
@@ -58,34 +59,24 @@ pub(super) enum BatchEnd {
     Settled { more: bool },
 }
 
-/// How the workers share the waiting while the outbox is idle: one of them at
-/// a time (the holder of `poller`) claims at pauses that grow from
-/// `poll_min` to `poll_interval`; the others stand by until `work` hands
-/// them something. A full batch, a notification (NOTIFY) or an ownership
-/// change wakes one more worker, never all of them for one row.
-#[derive(Clone, Default)]
-pub(super) struct Idle {
-    pub(super) poller: Arc<tokio::sync::Mutex<()>>,
-    pub(super) work: Arc<tokio::sync::Notify>,
-    /// Held by the worker whose claim is running. Two claims of one relay at
-    /// once would each lock rows the other then finds blocked behind them
-    /// (older rows of the same keys): with a few hot keys every claim came
-    /// back empty while the rows piled up. One at a time, each claim takes
-    /// what the batches in flight left free.
-    pub(super) claiming: Arc<tokio::sync::Mutex<()>>,
-}
-
-/// How long a standing-by worker waits at least before it claims anyway (or
-/// the poll interval, if longer): a floor under every hand-off, in case one
-/// is missed.
-const STANDBY_RECHECK: Duration = Duration::from_secs(1);
-
 #[derive(Debug, thiserror::Error)]
 pub(super) enum BatchError {
     #[error("postgres: {}", source::PgError(.0))]
     Postgres(tokio_postgres::Error),
     #[error("broker: {0}")]
     Publish(#[from] crate::publish::PublishError),
+}
+
+/// How a worker's Postgres session ended.
+enum SessionEnd {
+    /// It could not connect.
+    Connect(tokio_postgres::Error),
+    /// It could not prepare the batch's statements.
+    Prepare(tokio_postgres::Error),
+    /// The connection was lost mid-batch.
+    Lost(tokio_postgres::Error),
+    /// A statement failed on a live connection.
+    Failed(tokio_postgres::Error),
 }
 
 impl From<tokio_postgres::Error> for BatchError {
@@ -95,99 +86,110 @@ impl From<tokio_postgres::Error> for BatchError {
 }
 
 impl<P: Publisher> Worker<P> {
-    pub(super) async fn run(mut self, shutdown: CancellationToken) {
-        let mut reconnect = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
+    /// Runs Postgres sessions until `shutdown`: each connects, prepares the
+    /// statements and runs batches until the session fails; [`supervise`]
+    /// retries it with backoff.
+    pub(super) async fn run(self, shutdown: CancellationToken) {
+        let id = self.id;
+        let stats = Arc::clone(&self.stats);
+        let max = self.settings.reconnect_max;
+        // One worker, one session at a time: the lock is only ever taken by
+        // the session supervise is running.
+        let worker = tokio::sync::Mutex::new(self);
+        let (worker, stop) = (&worker, &shutdown);
+        supervise(
+            Duration::from_millis(100),
+            max,
+            &shutdown,
+            || async move { worker.lock().await.session(stop).await },
+            |end: &SessionEnd| match end {
+                SessionEnd::Connect(e) | SessionEnd::Lost(e) => stats.note_postgres(id, Some(e)),
+                SessionEnd::Prepare(e) => {
+                    tracing::warn!(worker = id, error = %source::PgError(e), "cannot prepare the claim; retrying")
+                }
+                // A fresh session re-prepares the statements: one whose
+                // cached plan went stale (a column changed type under it)
+                // would fail the same way on every batch.
+                SessionEnd::Failed(e) => {
+                    tracing::warn!(worker = id, error = %source::PgError(e), "postgres error; batch will be retried")
+                }
+            },
+        )
+        .await;
+    }
+
+    /// One Postgres session: batches back to back, pausing as the outbox
+    /// empties, until shutdown (Ok) or a Postgres error (Err). Broker
+    /// failures are waited out here, on the same session.
+    async fn session(&mut self, shutdown: &CancellationToken) -> Result<(), SessionEnd> {
+        let mut client = source::connect(&self.pg, self.settings.hold_limit)
+            .await
+            .map_err(SessionEnd::Connect)?;
+        self.stats.note_postgres(self.id, None);
+        let prepared = self
+            .queries
+            .prepare(&client)
+            .await
+            .map_err(SessionEnd::Prepare)?;
         let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         let mut idle = Backoff::new(self.settings.poll_min, self.settings.poll_interval);
-        'connect: while !shutdown.is_cancelled() {
-            let mut client = match source::connect(&self.pg, self.settings.hold_limit).await {
-                Ok(c) => {
-                    self.stats.note_postgres(self.id, None);
-                    c
+        while !shutdown.is_cancelled() {
+            match self
+                .batch_until_grace(&mut client, &prepared, shutdown)
+                .await
+            {
+                Some(Ok(BatchEnd::Settled { more: true })) => {
+                    broker.reset();
+                    idle.reset();
+                    // Probably more waiting: bring one more worker in.
+                    self.idle.work.notify_one();
                 }
-                Err(e) => {
-                    self.stats.note_postgres(self.id, Some(&e));
-                    if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
-                        break;
-                    }
-                    continue;
+                Some(Ok(BatchEnd::Settled { more: false })) => {
+                    broker.reset();
+                    idle.reset();
+                    self.pause(idle.next_delay(), shutdown).await;
                 }
-            };
-            let prepared = match self.queries.prepare(&client).await {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(worker = self.id, error = %source::PgError(&e), "cannot prepare the claim; retrying");
-                    if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
-                        break;
-                    }
-                    continue;
+                Some(Ok(BatchEnd::Empty { behind: true })) => {
+                    // The batch ahead hands work over when it settles;
+                    // the pause is only a floor under that.
+                    broker.reset();
+                    self.pause(idle.next_delay(), shutdown).await;
                 }
-            };
-            reconnect.reset();
-            while !shutdown.is_cancelled() {
-                match self
-                    .batch_until_grace(&mut client, &prepared, &shutdown)
-                    .await
-                {
-                    Some(Ok(BatchEnd::Settled { more: true })) => {
-                        broker.reset();
-                        idle.reset();
-                        // Probably more waiting: bring one more worker in.
-                        self.idle.work.notify_one();
-                    }
-                    Some(Ok(BatchEnd::Settled { more: false })) => {
-                        broker.reset();
-                        idle.reset();
-                        self.pause(idle.next_delay(), &shutdown).await;
-                    }
-                    Some(Ok(BatchEnd::Empty { behind: true })) => {
-                        // The batch ahead hands work over when it settles;
-                        // the pause is only a floor under that.
-                        broker.reset();
-                        self.pause(idle.next_delay(), &shutdown).await;
-                    }
-                    Some(Ok(BatchEnd::Empty { behind: false })) => {
-                        broker.reset();
-                        match self.idle.poller.clone().try_lock_owned() {
-                            Ok(_polling) => self.pause(idle.next_delay(), &shutdown).await,
-                            Err(_) => {
-                                let standby = self.settings.poll_interval.max(STANDBY_RECHECK);
-                                self.pause(standby, &shutdown).await
-                            }
+                Some(Ok(BatchEnd::Empty { behind: false })) => {
+                    broker.reset();
+                    match self.idle.poller.clone().try_lock_owned() {
+                        Ok(_polling) => self.pause(idle.next_delay(), shutdown).await,
+                        Err(_) => {
+                            let standby = self.settings.poll_interval.max(STANDBY_RECHECK);
+                            self.pause(standby, shutdown).await
                         }
                     }
-                    Some(Err(BatchError::Publish(e))) => {
-                        // Stats::note_broker logged the change of state.
-                        tracing::debug!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
-                        if sleep_or_cancel(broker.next_delay(), &shutdown).await {
-                            break 'connect;
-                        }
+                }
+                Some(Err(BatchError::Publish(e))) => {
+                    // Stats::note_broker logged the change of state.
+                    tracing::debug!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
+                    if sleep_or_cancel(broker.next_delay(), shutdown).await {
+                        return Ok(());
                     }
-                    Some(Err(BatchError::Postgres(e))) => {
-                        if client.is_closed() {
-                            self.stats.note_postgres(self.id, Some(&e));
-                            continue 'connect;
-                        }
-                        tracing::warn!(worker = self.id, error = %source::PgError(&e), "postgres error; batch will be retried");
-                        // A fresh session re-prepares the statements: one
-                        // whose cached plan went stale (a column changed type
-                        // under it) would fail the same way on every batch.
-                        if sleep_or_cancel(reconnect.next_delay(), &shutdown).await {
-                            break 'connect;
-                        }
-                        continue 'connect;
-                    }
-                    None => {
-                        tracing::warn!(
-                            worker = self.id,
-                            grace = ?self.settings.shutdown_grace,
-                            "batch still in flight after the shutdown grace; abandoned, its rows stay in the outbox"
-                        );
-                        break 'connect;
-                    }
+                }
+                Some(Err(BatchError::Postgres(e))) => {
+                    return Err(if client.is_closed() {
+                        SessionEnd::Lost(e)
+                    } else {
+                        SessionEnd::Failed(e)
+                    });
+                }
+                None => {
+                    tracing::warn!(
+                        worker = self.id,
+                        grace = ?self.settings.shutdown_grace,
+                        "batch still in flight after the shutdown grace; abandoned, its rows stay in the outbox"
+                    );
+                    return Ok(());
                 }
             }
         }
+        Ok(())
     }
 
     /// Waits `pause`, or less when work is handed over, ownership changes or
