@@ -32,7 +32,7 @@ start_rabbitmq() {
   wait_for rabbitmq 90 rabbitmqctl -q await_startup
   wait_for rabbitmq-port 30 bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672'
   # Undo what an interrupted suite may have left behind: a memory alarm
-  # (amqp_outage.rs) or a lowered message size limit (stalls.rs).
+  # (amqp_outage.rs) or a lowered message size limit (stalls/).
   rabbitmqctl -q set_vm_memory_high_watermark 0.4 >/dev/null 2>&1 || true
   rabbitmqctl -q eval 'application:set_env(rabbit, max_message_size, 134217728).' >/dev/null 2>&1 || true
 }

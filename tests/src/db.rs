@@ -57,6 +57,18 @@ impl TestDb {
             .get(0)
     }
 
+    /// Rows in `table` of this schema (`dead_letters`, `published`, ...).
+    pub async fn count(&self, table: &str) -> i64 {
+        self.client
+            .query_one(
+                &format!("SELECT count(*) FROM {}.{table}", self.schema.quoted()),
+                &[],
+            )
+            .await
+            .expect("count")
+            .get(0)
+    }
+
     /// The database URL for a relay process.
     pub fn url(&self) -> String {
         crate::pg_url()

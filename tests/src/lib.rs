@@ -41,6 +41,16 @@ pub fn kafka_brokers() -> String {
     std::env::var("OUTBOX_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
 }
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (bound, then released),
+/// for a listener the test or a process it starts will bind. Another process
+/// can take it in between, so a caller that must be sure retries.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
 /// A short random lowercase suffix for schema, exchange and queue names.
 pub fn unique(prefix: &str) -> String {
     format!(

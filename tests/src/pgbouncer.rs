@@ -16,13 +16,6 @@ pub struct PgBouncer {
     child: Child,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 fn binary() -> PathBuf {
     ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
         .iter()
@@ -51,7 +44,7 @@ impl PgBouncer {
     }
 
     async fn try_start(pool_mode: &str) -> Result<PgBouncer, String> {
-        let port = free_port();
+        let port = crate::free_port();
         let dir = std::env::temp_dir().join(crate::unique("pgbouncer"));
         std::fs::create_dir_all(&dir).expect("pgbouncer dir");
         let users = dir.join("users.txt");

@@ -209,10 +209,7 @@ pub async fn tansu_behind_proxy() -> (Tansu, crate::proxy::Proxy, String) {
         .await
         .expect("bind proxy");
     let proxy_port = proxy_listener.local_addr().expect("addr").port();
-    let broker_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port");
+    let broker_port = crate::free_port();
     let tansu = Tansu::start(broker_port, proxy_port);
     let proxy = crate::proxy::Proxy::start_on(proxy_listener, &format!("127.0.0.1:{broker_port}"));
     assert!(

@@ -138,20 +138,8 @@ impl Service {
         Reply::from(self.post(key, amount).send().await.expect("response")).await
     }
 
-    async fn count(&self, table: &str) -> i64 {
-        self.db
-            .client
-            .query_one(
-                &format!("SELECT count(*) FROM {}.{table}", self.db.schema.quoted()),
-                &[],
-            )
-            .await
-            .expect("count")
-            .get(0)
-    }
-
     async fn effects(&self) -> i64 {
-        self.count("effects").await
+        self.db.count("effects").await
     }
 
     async fn outbox_rows(&self) -> i64 {

@@ -5,6 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use outbox_tests::free_port;
 use outbox_tests::proxy::Proxy;
 use tokio::net::TcpListener;
 use tokio::process::Command;
@@ -24,14 +25,9 @@ fn migrate(url: &str, schema: &str, wait: &str) -> Command {
     cmd
 }
 
-async fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    l.local_addr().expect("addr").port()
-}
-
 #[tokio::test]
 async fn migrate_waits_for_postgres_to_come_up_and_says_so_once() {
-    let port = free_port().await;
+    let port = free_port();
     let schema = outbox_tests::unique("mw");
     let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
     let child = migrate(&url, &schema, "60s")
@@ -82,7 +78,7 @@ async fn migrate_fails_at_once_on_what_waiting_cannot_fix() {
     assert!(stderr.contains("no_such_database_here"), "{stderr}");
     assert!(!stderr.contains("waiting for postgres"), "{stderr}");
     // Nobody ever listens: it gives up when the wait is over, naming why.
-    let port = free_port().await;
+    let port = free_port();
     let out = migrate(
         &format!("postgres://postgres@127.0.0.1:{port}/postgres"),
         "outbox",

@@ -21,23 +21,34 @@ use outbox_tests::{eventually, fast_settings, InProcessRelay};
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
 
 async fn relay_command(args: &[&str], url: &str, schema: &str) -> (Option<i32>, String) {
-    let child = tokio::process::Command::new(RELAY_BIN)
+    let mut child = tokio::process::Command::new(RELAY_BIN)
         .args(args)
         .env("OUTBOX_DATABASE_URL", url)
         .env("OUTBOX_SCHEMA", schema)
         .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
         .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(60), child)
-        .await
-        .expect("the relay neither ran nor exited within 60 s")
+        .spawn()
         .expect("run relay");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut pipe = child.stderr.take().expect("stderr");
+    let stderr = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut pipe, &mut v).await;
+        String::from_utf8_lossy(&v).into_owned()
+    });
+    let code = match tokio::time::timeout(Duration::from_secs(60), child.wait()).await {
+        Ok(status) => status.expect("wait relay").code(),
+        Err(_) => {
+            // Say what the relay was doing instead of only that it ran on.
+            let _ = child.kill().await;
+            let log = stderr.await.unwrap_or_default();
+            panic!("the relay neither ran nor exited within 60 s; its log:\n{log}");
+        }
+    };
+    (code, stderr.await.unwrap_or_default())
 }
 
 #[tokio::test]

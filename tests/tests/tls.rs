@@ -194,10 +194,7 @@ async fn kafka_ssl_through_pass_through_properties() {
         .await
         .expect("bind");
     let proxy_port = proxy_listener.local_addr().expect("addr").port();
-    let broker_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port");
+    let broker_port = outbox_tests::free_port();
     let tansu = Tansu::start(broker_port, proxy_port);
     let proxy = TlsProxy::start_on(
         &pki,

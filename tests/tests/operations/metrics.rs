@@ -1,24 +1,16 @@
-//! Operating the relay: metrics move while messages flow, readiness follows the
-//! broker, and logs never carry passwords or payloads.
+//! Metrics, probes and the healthcheck while the broker comes and goes, and
+//! the database-wide gauges exported by exactly one replica.
 
 use std::time::Duration;
 
 use outbox_client::Message;
 use outbox_tests::amqp::Fixture;
 use outbox_tests::db::TestDb;
-use outbox_tests::eventually;
 use outbox_tests::proxy::{Mode, Proxy};
+use outbox_tests::{eventually, free_port};
 use tokio::process::Command;
 
-const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
-const PATIENCE: Duration = Duration::from_secs(120);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
+use super::{PATIENCE, RELAY_BIN};
 
 /// A plain HTTP/1.0 GET, as a probe or a scraper would send it.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
@@ -281,205 +273,6 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         "colour escapes in a piped log:\n{log}"
     );
     rabbit.cleanup().await;
-    db.cleanup().await;
-}
-
-#[tokio::test]
-async fn logs_never_show_the_password_or_payloads() {
-    let db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    const PASSWORD: &str = "pw-sentinel-7f3a9";
-    const PAYLOAD: &str = "payload-sentinel-c41e";
-    // Trust authentication ignores the password, so it only travels through
-    // the relay's configuration: exactly what must not leak.
-    let url = outbox_tests::pg_url().replacen("postgres@", &format!("postgres:{PASSWORD}@"), 1);
-    assert!(
-        url.contains(PASSWORD),
-        "test URL must carry the password: {url}"
-    );
-    let mut child = Command::new(RELAY_BIN)
-        .arg("run")
-        .env("OUTBOX_DATABASE_URL", &url)
-        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
-        .env("OUTBOX_SCHEMA", db.schema.as_str())
-        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
-        .env(
-            "OUTBOX_LOG",
-            std::env::var("OUTBOX_TEST_LEAK_LOG").unwrap_or_else(|_| "trace".into()),
-        )
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("relay");
-    let pid = child.id().expect("pid");
-    // Drain both pipes as the relay writes, or a full pipe would stall it.
-    let mut out_pipe = child.stdout.take().expect("stdout");
-    let mut err_pipe = child.stderr.take().expect("stderr");
-    let out_task = tokio::spawn(async move {
-        let mut v = Vec::new();
-        let _ = tokio::io::AsyncReadExt::read_to_end(&mut out_pipe, &mut v).await;
-        v
-    });
-    let err_task = tokio::spawn(async move {
-        let mut v = Vec::new();
-        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
-        v
-    });
-    let unroutable = outbox_tests::unique("nowhere");
-    outbox_tests::amqp::declare_unbound_exchange(&unroutable).await;
-    let messages: Vec<Message> = (0..50)
-        .map(|i| {
-            let dest = if i == 0 {
-                unroutable.as_str()
-            } else {
-                rabbit.exchange.as_str()
-            };
-            Message::builder(dest)
-                .payload(format!("{PAYLOAD}-{i}"))
-                .header("h", "v")
-                .build()
-                .expect("valid")
-        })
-        .collect();
-    db.outbox()
-        .enqueue_batch(&db.client, &messages)
-        .await
-        .expect("enqueue");
-    assert!(eventually(PATIENCE, || async { rabbit.count() >= 49 }).await);
-    // Let the rejected message's warnings be logged too.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .await;
-    let _ = child.wait().await;
-    let out = out_task.await.expect("stdout");
-    let err = err_task.await.expect("stderr");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out),
-        String::from_utf8_lossy(&err)
-    );
-    assert!(
-        text.contains("relay running"),
-        "the log scan must see real logs:\n{text}"
-    );
-    assert!(
-        text.contains("broker rejected message"),
-        "the rejection path must have logged"
-    );
-    assert!(!text.contains(PASSWORD), "password leaked into the logs");
-    assert!(!text.contains(PAYLOAD), "payload leaked into the logs");
-    // Debug output shows bytes as numbers: lapin logs a returned message
-    // that way, so the sentinel must not appear in that form either.
-    let as_bytes = format!("{:?}", &PAYLOAD.as_bytes()[..8]);
-    let as_bytes = as_bytes.trim_start_matches('[').trim_end_matches(']');
-    assert!(
-        !text.contains(as_bytes),
-        "payload bytes leaked into the logs (as {as_bytes})"
-    );
-    outbox_tests::amqp::delete_exchange(&unroutable).await;
-    rabbit.cleanup().await;
-    db.cleanup().await;
-}
-
-/// Trace context round trip: a message enqueued inside a traced span carries
-/// that span's W3C traceparent to RabbitMQ and Kafka consumers, who continue
-/// the same trace.
-#[tokio::test]
-async fn enqueue_inside_a_span_and_consumers_see_the_same_trace() {
-    use opentelemetry::trace::{TraceContextExt, TracerProvider};
-    use tracing::Instrument;
-    use tracing_opentelemetry::OpenTelemetrySpanExt;
-    use tracing_subscriber::layer::SubscriberExt;
-
-    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("outbox-tests")));
-    // This test's thread only (a current-thread runtime runs everything here).
-    let _trace = tracing::subscriber::set_default(subscriber);
-
-    // One outbox per broker, both written inside the same span.
-    let db = TestDb::new().await;
-    let kafka_db = TestDb::new().await;
-    let rabbit = Fixture::new().await;
-    let brokers = outbox_tests::kafka_brokers();
-    let topic = outbox_tests::kafka::Fixture::new(&brokers, 1).await;
-
-    let span = tracing::info_span!("checkout");
-    let span_context = span.context().span().span_context().clone();
-    assert!(
-        span_context.is_valid(),
-        "the test's tracer must make real spans"
-    );
-    let (trace_id, span_id) = (span_context.trace_id(), span_context.span_id());
-    let paid = |destination: &str| {
-        Message::builder(destination)
-            .key("order-1")
-            .json(&"paid")
-            .build()
-            .expect("valid")
-    };
-    async {
-        db.outbox()
-            .enqueue(&db.client, &paid(&rabbit.exchange))
-            .await
-            .expect("enqueue");
-        kafka_db
-            .outbox()
-            .enqueue(&kafka_db.client, &paid(&topic.topic))
-            .await
-            .expect("enqueue");
-    }
-    .instrument(span)
-    .await;
-    // Outside any span nothing is added.
-    db.outbox()
-        .enqueue(
-            &db.client,
-            &Message::builder(rabbit.exchange.as_str())
-                .json(&"untraced")
-                .build()
-                .expect("valid"),
-        )
-        .await
-        .expect("enqueue");
-
-    let amqp_relay = outbox_tests::InProcessRelay::amqp(&db, outbox_tests::fast_settings());
-    let kafka_relay = outbox_tests::InProcessRelay::kafka(
-        &kafka_db,
-        &brokers,
-        &[],
-        outbox_tests::fast_settings(),
-    );
-    assert!(eventually(PATIENCE, || async { rabbit.count() >= 2 }).await);
-    assert!(eventually(PATIENCE, || async { topic.count() >= 1 }).await);
-    amqp_relay.stop().await;
-    kafka_relay.stop().await;
-
-    let expected = format!("00-{trace_id}-{span_id}-01");
-    let deliveries = rabbit.deliveries();
-    let traced = deliveries
-        .iter()
-        .find(|d| d.payload == br#""paid""#)
-        .expect("traced amqp message");
-    assert_eq!(traced.headers.get("traceparent"), Some(&expected));
-    let untraced = deliveries
-        .iter()
-        .find(|d| d.payload == br#""untraced""#)
-        .expect("untraced amqp message");
-    assert_eq!(untraced.headers.get("traceparent"), None);
-    let record = topic.records().into_iter().next().expect("kafka record");
-    assert_eq!(record.headers.get("traceparent"), Some(&expected));
-    // A consumer parses it back into the same trace id.
-    let parsed = expected.split('-').nth(1).expect("trace id field");
-    assert_eq!(parsed, trace_id.to_string());
-
-    topic.stop().await;
-    rabbit.cleanup().await;
-    kafka_db.cleanup().await;
     db.cleanup().await;
 }
 

@@ -1,13 +1,8 @@
-//! The inbox and the consumer helpers built on it, against real Postgres,
-//! RabbitMQ and (for the Kafka test) a Kafka-protocol broker: the check in the
-//! caller's transaction and its retention, one message delivered many times to
-//! concurrent consumers, a consumer that crashes between committing its effect
-//! and acking (AMQP) or committing the offset (Kafka), a failing handler, and a
-//! delivery without a message id.
+//! The AMQP consumer helpers: many copies to concurrent consumers, a crash
+//! between commit and ack, a failing handler, a delivery without a message id.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::message::Delivery;
@@ -21,35 +16,7 @@ use outbox_tests::db::{connect, TestDb};
 use outbox_tests::{eventually, unique};
 use tokio_postgres::Transaction;
 
-/// A ceiling on waits, never a claim about speed.
-const PATIENCE: Duration = Duration::from_secs(120);
-
-// ---------------------------------------------------------------- helpers
-
-/// `schema.effects`: one counter per message, incremented by the handlers. A
-/// value above 1 is an effect applied twice.
-async fn create_effects(db: &TestDb) -> String {
-    let t = format!("{}.effects", db.schema.quoted());
-    db.client
-        .batch_execute(&format!(
-            "CREATE TABLE {t} (message text PRIMARY KEY, applied int NOT NULL)"
-        ))
-        .await
-        .expect("create effects");
-    t
-}
-
-async fn applied(db: &TestDb, table: &str, message: &str) -> i32 {
-    db.client
-        .query_opt(
-            &format!("SELECT applied FROM {table} WHERE message = $1"),
-            &[&message],
-        )
-        .await
-        .expect("read effect")
-        .map(|r| r.get(0))
-        .unwrap_or(0)
-}
+use super::{applied, apply_effect, create_effects, PATIENCE};
 
 /// Increments the delivery's counter; the body names it. With `fail_first`,
 /// the first call fails after writing, so its rollback is what keeps it unseen.
@@ -81,131 +48,12 @@ impl Handler<Delivery> for CountEffect {
         let message = String::from_utf8_lossy(&d.data).into_owned();
         // Widen the window in which concurrent deliveries overlap.
         tx.execute("SELECT pg_sleep(0.02)", &[]).await?;
-        tx.execute(
-            &format!(
-                "INSERT INTO {} (message, applied) VALUES ($1, 1) \
-                 ON CONFLICT (message) DO UPDATE SET applied = {0}.applied + 1",
-                self.table
-            ),
-            &[&message],
-        )
-        .await?;
+        apply_effect(tx, &self.table, &message).await?;
         if self.fail_first.swap(false, Ordering::SeqCst) {
             return Err(EffectError::Injected);
         }
         Ok(())
     }
-}
-
-// ------------------------------------------------------------------ inbox
-
-/// The inbox check alone: first New, then Duplicate, and a rolled-back record
-/// leaves the id unseen.
-#[tokio::test]
-async fn inbox_records_in_the_callers_transaction() {
-    let mut db = TestDb::new().await;
-    let inbox = Inbox::with_schema(db.schema.clone());
-
-    let tx = db.client.transaction().await.expect("tx");
-    assert_eq!(
-        inbox.process_once(&tx, "c", "m-1").await.expect("check"),
-        Arrival::New
-    );
-    tx.rollback().await.expect("rollback");
-
-    let tx = db.client.transaction().await.expect("tx");
-    assert_eq!(
-        inbox.process_once(&tx, "c", "m-1").await.expect("check"),
-        Arrival::New,
-        "a rolled-back record must not count"
-    );
-    tx.commit().await.expect("commit");
-
-    let tx = db.client.transaction().await.expect("tx");
-    assert_eq!(
-        inbox.process_once(&tx, "c", "m-1").await.expect("check"),
-        Arrival::Duplicate
-    );
-    assert_eq!(
-        inbox
-            .process_once(&tx, "other", "m-1")
-            .await
-            .expect("check"),
-        Arrival::New,
-        "consumers are independent"
-    );
-    tx.commit().await.expect("commit");
-
-    // The SQL function for other languages agrees with the Rust check.
-    let f = format!("{}.inbox_process_once", db.schema.quoted());
-    let first: bool = db
-        .client
-        .query_one(&format!("SELECT {f}('sql', 'm-2')"), &[])
-        .await
-        .expect("function")
-        .get(0);
-    let again: bool = db
-        .client
-        .query_one(&format!("SELECT {f}('sql', 'm-2')"), &[])
-        .await
-        .expect("function")
-        .get(0);
-    assert!(first && !again);
-    let tx = db.client.transaction().await.expect("tx");
-    assert_eq!(
-        inbox.process_once(&tx, "sql", "m-2").await.expect("check"),
-        Arrival::Duplicate
-    );
-    drop(tx);
-
-    let tx = db.client.transaction().await.expect("tx");
-    assert!(inbox.process_once(&tx, "c", "").await.is_err());
-    drop(tx);
-    db.cleanup().await;
-}
-
-/// Retention deletes old entries in batches and keeps recent ones.
-#[tokio::test]
-async fn inbox_purge_deletes_only_entries_past_the_window() {
-    let db = TestDb::new().await;
-    let inbox = Inbox::with_schema(db.schema.clone());
-    let table = format!("{}.inbox", db.schema.quoted());
-    db.client
-        .execute(
-            &format!(
-                "INSERT INTO {table} (consumer, message_id, processed_at) \
-                 SELECT 'c', 'old-' || g, now() - interval '30 days' FROM generate_series(1, 2500) g"
-            ),
-            &[],
-        )
-        .await
-        .expect("seed old");
-    db.client
-        .execute(
-            &format!(
-                "INSERT INTO {table} (consumer, message_id) \
-                 SELECT 'c', 'new-' || g FROM generate_series(1, 10) g"
-            ),
-            &[],
-        )
-        .await
-        .expect("seed new");
-    let deleted = inbox
-        .purge(&db.client, Duration::from_secs(14 * 86_400), 1000)
-        .await
-        .expect("purge");
-    assert_eq!(deleted, 2500);
-    let left: Vec<String> = db
-        .client
-        .query(&format!("SELECT message_id FROM {table}"), &[])
-        .await
-        .expect("left")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(left.len(), 10);
-    assert!(left.iter().all(|m| m.starts_with("new-")));
-    db.cleanup().await;
 }
 
 /// The same message delivered 10 times at once to 4 consumers, each with its
@@ -452,137 +300,5 @@ async fn missing_message_id_is_dead_lettered() {
     delete_queue(&queue).await;
     delete_queue(&dlq).await;
     let _ = setup.close(200, "ok".into()).await;
-    db.cleanup().await;
-}
-
-// ------------------------------------------------------------------ kafka
-
-struct CountRecord {
-    table: String,
-}
-
-impl<'a> Handler<rdkafka::message::BorrowedMessage<'a>> for CountRecord {
-    type Error = tokio_postgres::Error;
-    async fn handle(
-        &self,
-        tx: &Transaction<'_>,
-        m: &rdkafka::message::BorrowedMessage<'a>,
-    ) -> Result<(), Self::Error> {
-        use rdkafka::Message as _;
-        let message = String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned();
-        tx.execute(
-            &format!(
-                "INSERT INTO {} (message, applied) VALUES ($1, 1) \
-                 ON CONFLICT (message) DO UPDATE SET applied = {0}.applied + 1",
-                self.table
-            ),
-            &[&message],
-        )
-        .await?;
-        Ok(())
-    }
-}
-
-/// Kafka: a consumer commits its effect and dies before committing the offset;
-/// the next consumer of the group reads the record again, recognizes it and
-/// commits the offset, and the effect is not repeated.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
-    use outbox_client::consumer::kafka::KafkaInbox;
-    use rdkafka::consumer::{Consumer, StreamConsumer};
-    use rdkafka::message::{Header, OwnedHeaders};
-    use rdkafka::producer::{FutureProducer, FutureRecord};
-    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-
-    let brokers = outbox_tests::kafka_brokers();
-    let db = TestDb::new().await;
-    let effects = create_effects(&db).await;
-    let topic = unique("t");
-    outbox_tests::kafka::create_topic(&brokers, &topic, 1).await;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .create()
-        .expect("producer");
-    let message_id = uuid::Uuid::now_v7().to_string();
-    producer
-        .send(
-            FutureRecord::to(&topic)
-                .payload("k-crash")
-                .key("k")
-                .headers(OwnedHeaders::new().insert(Header {
-                    key: "message-id",
-                    value: Some(message_id.as_str()),
-                })),
-            Duration::from_secs(30),
-        )
-        .await
-        .map_err(|(e, _)| e)
-        .expect("produce");
-
-    let group = unique("g");
-    let new_consumer = || {
-        let c: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .create()
-            .expect("consumer");
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, 0, Offset::Stored)
-            .expect("partition");
-        c.assign(&tpl).expect("assign");
-        c
-    };
-    let inbox = Inbox::with_schema(db.schema.clone());
-    let handler = CountRecord {
-        table: effects.clone(),
-    };
-
-    {
-        let first = new_consumer();
-        let mut client = connect(&db.config).await;
-        let record = tokio::time::timeout(PATIENCE, first.recv())
-            .await
-            .expect("record in time")
-            .expect("record");
-        let outcome = apply_once(
-            &mut client,
-            &inbox,
-            "counter",
-            &message_id,
-            &record,
-            &handler,
-        )
-        .await
-        .expect("applied");
-        assert_eq!(outcome, Arrival::New);
-        // Dropped without committing the offset.
-    }
-    assert_eq!(applied(&db, &effects, "k-crash").await, 1);
-
-    let second = new_consumer();
-    let mut client = connect(&db.config).await;
-    let record = tokio::time::timeout(PATIENCE, second.recv())
-        .await
-        .expect("record again in time")
-        .expect("record");
-    let consumer = KafkaInbox::new(inbox, "counter").expect("consumer");
-    let outcome = consumer
-        .handle(&mut client, &second, &record, &handler)
-        .await
-        .expect("handled");
-    assert_eq!(outcome, Arrival::Duplicate);
-    assert_eq!(applied(&db, &effects, "k-crash").await, 1);
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(&topic, 0);
-    let committed =
-        tokio::task::block_in_place(|| second.committed_offsets(tpl, Duration::from_secs(30)))
-            .expect("committed offsets");
-    assert_eq!(
-        committed.find_partition(&topic, 0).map(|p| p.offset()),
-        Some(Offset::Offset(1)),
-        "offset committed past the duplicate"
-    );
     db.cleanup().await;
 }

@@ -1,0 +1,212 @@
+//! The relay process dies or is stopped mid-run: kill -9 at random intervals
+//! and with a backlog in flight, a crash between the broker's ack and the
+//! delete, and SIGTERM.
+
+use std::time::{Duration, Instant};
+
+use outbox_tests::check::record;
+use outbox_tests::db::TestDb;
+use outbox_tests::eventually;
+use outbox_tests::process::RelayProcess;
+use outbox_tests::sink::Sink;
+use outbox_tests::workload;
+use rand::Rng;
+
+use super::{
+    env_for, scale, settle, spawn_writers, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN, TMP,
+};
+
+/// Scenario 2: kill -9 at random 200–2000 ms intervals, restarted each time.
+async fn kill_9_at_random_intervals(sink: Sink, messages: usize) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let env = env_for(&db, &sink, None);
+    let writers = spawn_writers(&db, spec(&sink, scale(messages)));
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let mut kills = 0;
+    while !writers.is_finished() || (db.pending().await > 0 && kills < 60) {
+        let ms = rand::rng().random_range(200..2000);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        relay.kill9().await;
+        kills += 1;
+        relay = RelayProcess::start(RELAY_BIN, &env);
+    }
+    let written = writers.await.expect("writers");
+    let report = settle(&db, &sink, &written).await;
+    let bound = kills * BATCH * (PIPELINE + 1);
+    record(
+        TMP,
+        &format!("{}: kill -9 x{kills} at random intervals", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(bound),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(report.duplicates <= bound, "{report}");
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s02_amqp_kill_9_at_random_intervals() {
+    kill_9_at_random_intervals(Sink::amqp().await, 8_000).await;
+}
+
+#[tokio::test]
+async fn s02_kafka_kill_9_at_random_intervals() {
+    kill_9_at_random_intervals(Sink::kafka(&outbox_tests::kafka_brokers()).await, 4_000).await;
+}
+
+/// Scenario 12: a backlog first, then kill -9 while its batches are in
+/// flight, up to three times; each restart picks up where the rows are.
+async fn kill_9_with_a_backlog(sink: Sink, messages: usize) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let env = env_for(&db, &sink, None);
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(messages))).await;
+    let mut kills = 0usize;
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    for _ in 0..3 {
+        let before = sink.count();
+        // Kill after the relay has made some progress, not before it connected.
+        assert!(
+            eventually(PATIENCE, || async {
+                sink.count() > before + 300 || db.pending().await == 0
+            })
+            .await
+        );
+        if db.pending().await == 0 {
+            break;
+        }
+        relay.kill9().await;
+        kills += 1;
+        relay = RelayProcess::start(RELAY_BIN, &env);
+    }
+    assert!(
+        kills >= 1,
+        "the relay finished before it could be killed; grow the backlog"
+    );
+    let report = settle(&db, &sink, &written).await;
+    let bound = kills * BATCH * (PIPELINE + 1);
+    record(
+        TMP,
+        &format!("{}: kill -9 x{kills} with a backlog", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(bound),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(report.duplicates <= bound, "{report}");
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s12_amqp_kill_9_with_a_backlog() {
+    kill_9_with_a_backlog(Sink::amqp().await, 6_000).await;
+}
+
+#[tokio::test]
+async fn s12_kafka_kill_9_with_a_backlog() {
+    kill_9_with_a_backlog(Sink::kafka(&outbox_tests::kafka_brokers()).await, 10_000).await;
+}
+
+/// Scenario 3: the relay dies after the broker confirmed a batch and before the
+/// rows were deleted. That batch is delivered twice; nothing is lost.
+async fn crash_between_broker_ack_and_delete(sink: Sink) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let env = env_for(&db, &sink, None);
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(3_000))).await;
+
+    let mut crashing = env.clone();
+    crashing.push(("OUTBOX_TEST_FAILPOINT", "crash-after-ack:3".into()));
+    // One worker, so "the third batch" is one well-defined batch.
+    crashing.push(("OUTBOX_PIPELINE", "1".into()));
+    let mut relay = RelayProcess::start(RELAY_BIN, &crashing);
+    let code = tokio::time::timeout(PATIENCE, relay.wait())
+        .await
+        .expect("failpoint reached");
+    assert_ne!(code, Some(0), "the failpoint aborts the process");
+
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let report = settle(&db, &sink, &written).await;
+    record(
+        TMP,
+        &format!("{}: crash between broker ack and delete", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(BATCH),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(
+        report.duplicates >= 1,
+        "the confirmed-but-undeleted batch must come again: {report}"
+    );
+    assert!(
+        report.duplicates <= BATCH,
+        "only that batch may repeat: {report}"
+    );
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s03_amqp_crash_between_broker_ack_and_delete() {
+    crash_between_broker_ack_and_delete(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s03_kafka_crash_between_broker_ack_and_delete() {
+    crash_between_broker_ack_and_delete(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
+}
+
+/// Scenario 10: SIGTERM mid-run: the in-flight batch completes, the process
+/// exits 0, and the next relay publishes nothing twice.
+async fn sigterm_drains_without_duplicates(sink: Sink) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let mut env = env_for(&db, &sink, None);
+    env.push(("OUTBOX_BATCH_SIZE", "200".into()));
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, scale(5_000))).await;
+
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    assert!(eventually(PATIENCE, || async { sink.count() > 500 }).await);
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "SIGTERM exits 0");
+
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let report = settle(&db, &sink, &written).await;
+    stop(relay).await;
+    record(
+        TMP,
+        &format!("{}: SIGTERM mid-run", sink.broker()),
+        &report,
+        started.elapsed(),
+        Some(0),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(
+        report.duplicates, 0,
+        "a drained batch is never published twice: {report}"
+    );
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s10_amqp_sigterm_drains_without_duplicates() {
+    sigterm_drains_without_duplicates(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s10_kafka_sigterm_drains_without_duplicates() {
+    sigterm_drains_without_duplicates(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
+}

@@ -1,0 +1,162 @@
+//! The operator CLI on dead letters: list, show, locate, discard, status, and
+//! the exit codes and messages for bad arguments and unmigrated schemas.
+
+use outbox_tests::amqp;
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, InProcessRelay};
+use tokio::process::Command;
+
+use super::{cli, msg, settings, PATIENCE, RELAY_BIN};
+
+#[tokio::test]
+async fn cli_lists_shows_discards_and_rejects_bad_arguments() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let side = outbox_tests::unique("side");
+    amqp::declare_unbound_exchange(&side).await;
+    let relay = InProcessRelay::amqp(&db, settings(true));
+    let id = db
+        .outbox()
+        .enqueue(&db.client, &msg(&side, "k", 7))
+        .await
+        .expect("enqueue");
+    assert!(eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await);
+    relay.stop().await;
+
+    let (code, out, _) = cli(&db, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(code, 0);
+    let list: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(list[0]["message_id"], id.to_string());
+    assert_eq!(list[0]["destination"], side);
+    let (code, out, _) = cli(&db, &["dead-letters", "list", "--key", "k"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains(&id.to_string()) && out.contains("unroutable"),
+        "{out}"
+    );
+    let (_, out, _) = cli(&db, &["dead-letters", "list", "--key", "other"]).await;
+    assert!(out.contains("no dead letters match"), "{out}");
+    let (code, out, _) = cli(&db, &["dead-letters", "show", &id.to_string()]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("payload 1 bytes") && out.contains("attempts=3"),
+        "{out}"
+    );
+    // The payload only when asked for; timestamps absolute as well as ages.
+    let (code, out, _) = cli(&db, &["dead-letters", "show", &id.to_string(), "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert!(v.get("payload").is_none(), "{v}");
+    let dead_at = v["dead_at"].as_str().unwrap_or("");
+    assert!(
+        dead_at.ends_with('Z') && humantime::parse_rfc3339(dead_at).is_ok(),
+        "{v}"
+    );
+    assert!(
+        v["created_at"].as_str().is_some_and(|t| t <= dead_at),
+        "{v}"
+    );
+    let (code, out, _) = cli(
+        &db,
+        &[
+            "dead-letters",
+            "show",
+            &id.to_string(),
+            "--payload",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["payload"]["encoding"], "utf-8", "{v}");
+    assert_eq!(v["payload"]["data"], "7", "the enqueued JSON payload: {v}");
+    let (_, out, _) = cli(&db, &["dead-letters", "show", &id.to_string(), "--payload"]).await;
+    assert!(out.contains("payload (utf-8): 7"), "{out}");
+    let (code, out, _) = cli(&db, &["locate", &id.to_string()]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("dead-lettered"), "{out}");
+
+    // A message that is nowhere: reported, and exit code 1 for scripts.
+    let nowhere = uuid::Uuid::now_v7().to_string();
+    let (code, out, err) = cli(&db, &["locate", &nowhere]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("unknown") && err.contains(&nowhere),
+        "{out}{err}"
+    );
+    // No relay running on a migrated schema: the report, then exit 1.
+    let idle = TestDb::new().await;
+    let (code, out, err) = cli(&idle, &["status"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("replicas (0 of 64 partitions owned)"), "{out}");
+    assert!(err.contains("no relay replica is running"), "{err}");
+    let (code, out, _) = cli(&idle, &["status", "--json"]).await;
+    assert_eq!(code, 1);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("the json report still comes");
+    assert_eq!(v["replicas"], serde_json::json!([]), "{v}");
+    idle.cleanup().await;
+    // A schema never migrated: say which command fixes it.
+    let never = outbox_tests::unique("never");
+    for args in [
+        &["status"][..],
+        &["dead-letters", "list"][..],
+        &["pause", "x"][..],
+    ] {
+        let out = Command::new(RELAY_BIN)
+            .args(args)
+            .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+            .env("OUTBOX_SCHEMA", &never)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .expect("run cli");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("is not migrated; run `outbox-relay migrate` first"),
+            "{args:?}: {err}"
+        );
+    }
+
+    // Bad arguments: exit code 2 with a clear message.
+    let (code, _, err) = cli(&db, &["dead-letters", "discard", "--yes"]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--all"), "{err}");
+    let (code, _, err) = cli(&db, &["locate", "not-a-uuid"]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("<ID>"), "{err}");
+    let (code, _, err) = cli(&db, &["dead-letters", "list", "--since", "yesterday"]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("--since"), "{err}");
+    // Without a terminal and without --yes, a destructive command refuses.
+    let (code, _, err) = cli(&db, &["dead-letters", "discard", "--all"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("--yes"), "{err}");
+    assert_eq!(db.count("dead_letters").await, 1);
+
+    let (code, out, _) = cli(
+        &db,
+        &[
+            "dead-letters",
+            "discard",
+            "--id",
+            &id.to_string(),
+            "--yes",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).expect("json")["discarded"],
+        1
+    );
+    let (_, out, _) = cli(&db, &["locate", &id.to_string(), "--json"]).await;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).expect("json")["state"],
+        "unknown"
+    );
+    amqp::delete_exchange(&side).await;
+    db.cleanup().await;
+}

@@ -1,0 +1,210 @@
+//! Poison messages: dead-lettered while the others flow, parking its key (or
+//! skipping it), and a retry from the dead letters that delivers in order.
+
+use std::time::Duration;
+
+use outbox_client::{Message, MessageId};
+use outbox_tests::amqp::{self, Fixture};
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, InProcessRelay};
+
+use super::{cli, msg, settings, PATIENCE};
+
+/// A relay, a test queue on RabbitMQ, and `side`: an exchange bound to no
+/// queue, so whatever is published there comes back unroutable.
+struct Setup {
+    db: TestDb,
+    rabbit: Fixture,
+    side: String,
+    relay: InProcessRelay,
+}
+
+impl Setup {
+    async fn new(park: bool) -> Setup {
+        outbox_tests::init_logging();
+        let db = TestDb::new().await;
+        let rabbit = Fixture::new().await;
+        let side = outbox_tests::unique("side");
+        amqp::declare_unbound_exchange(&side).await;
+        let relay = InProcessRelay::amqp(&db, settings(park));
+        Setup {
+            db,
+            rabbit,
+            side,
+            relay,
+        }
+    }
+
+    async fn finish(self) {
+        self.relay.stop().await;
+        amqp::delete_exchange(&self.side).await;
+        self.rabbit.cleanup().await;
+        self.db.cleanup().await;
+    }
+}
+
+#[tokio::test]
+async fn poison_message_dead_letters_while_10000_others_flow() {
+    let setup = Setup::new(true).await;
+    let (db, rabbit) = (&setup.db, &setup.rabbit);
+    let outbox = db.outbox();
+    let poison = outbox
+        .enqueue(&db.client, &msg(&setup.side, "p", 0))
+        .await
+        .expect("enqueue");
+    for chunk in 0..10 {
+        let batch: Vec<Message> = (0..1000)
+            .map(|i| msg(&rabbit.exchange, &format!("k{}", i % 100), chunk * 1000 + i))
+            .collect();
+        outbox
+            .enqueue_batch(&db.client, &batch)
+            .await
+            .expect("enqueue");
+    }
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 10_000 }).await,
+        "others blocked"
+    );
+    assert!(
+        eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
+        "poison not dead-lettered"
+    );
+    let (code, out, _) = cli(db, &["locate", &poison.to_string(), "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "dead_lettered");
+    assert_eq!(v["attempts"], 3);
+    assert!(
+        v["last_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("unroutable"),
+        "{v}"
+    );
+    assert_eq!(db.pending().await, 0);
+    setup.finish().await;
+}
+
+/// A poison message parks only its own key; fixing the binding and retrying it
+/// from the dead letters delivers the key's messages in order.
+#[tokio::test]
+async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
+    let setup = Setup::new(true).await;
+    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
+    let outbox = db.outbox();
+
+    // Key "k": its first message goes to an exchange nobody listens on yet.
+    let first = outbox
+        .enqueue(&db.client, &msg(side, "k", 0))
+        .await
+        .expect("enqueue");
+    let mut later: Vec<MessageId> = Vec::new();
+    for n in 1..=3 {
+        later.push(
+            outbox
+                .enqueue(&db.client, &msg(&rabbit.exchange, "k", n))
+                .await
+                .expect("enqueue"),
+        );
+    }
+    let others: Vec<Message> = (0..50)
+        .map(|i| msg(&rabbit.exchange, &format!("o{i}"), i))
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &others)
+        .await
+        .expect("enqueue");
+
+    assert!(
+        eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
+        "not dead-lettered"
+    );
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 50 }).await,
+        "other keys blocked"
+    );
+    // `locate` names what a later message of the key waits for.
+    let (code, out, _) = cli(db, &["locate", &later[0].to_string(), "--json"]).await;
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "parked", "{v}");
+    assert_eq!(v["behind_dead_letter"], first.to_string(), "{v}");
+    let (_, human, _) = cli(db, &["locate", &later[0].to_string()]).await;
+    assert!(
+        human.contains("parked behind dead letter") && human.contains(&first.to_string()),
+        "{human}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ids: Vec<String> = rabbit
+        .deliveries()
+        .iter()
+        .map(|d| d.message_id.clone())
+        .collect();
+    for id in &later {
+        assert!(
+            !ids.contains(&id.to_string()),
+            "parked message {id} overtook the dead letter"
+        );
+    }
+    let (code, out, _) = cli(db, &["status", "--json"]).await;
+    assert_eq!(code, 0);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(status["dead_letters"], 1);
+    assert_eq!(status["parked_keys"][0]["key"], "k");
+    assert_eq!(status["parked_keys"][0]["waiting"], 3);
+    let (_, human, _) = cli(db, &["status"]).await;
+    assert!(human.contains("parked key \"k\": 3 waiting"), "{human}");
+
+    // Fix the binding: the test queue now also hears the side exchange.
+    amqp::bind_fixture_queue(rabbit, side).await;
+    let (code, out, err) = cli(
+        db,
+        &["dead-letters", "retry", "--key", "k", "--yes", "--json"],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).expect("json")["retried"],
+        1
+    );
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 54 }).await,
+        "key not unparked"
+    );
+    let order: Vec<String> = rabbit
+        .deliveries()
+        .iter()
+        .map(|d| d.message_id.clone())
+        .filter(|id| *id == first.to_string() || later.iter().any(|l| l.to_string() == *id))
+        .collect();
+    let expected: Vec<String> = std::iter::once(first)
+        .chain(later)
+        .map(|i| i.to_string())
+        .collect();
+    assert_eq!(order, expected, "key k out of order after retry");
+    assert_eq!(db.count("dead_letters").await, 0);
+    setup.finish().await;
+}
+
+#[tokio::test]
+async fn skip_setting_lets_later_messages_pass() {
+    let setup = Setup::new(false).await;
+    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
+    let outbox = db.outbox();
+    outbox
+        .enqueue(&db.client, &msg(side, "k", 0))
+        .await
+        .expect("enqueue");
+    for n in 1..=3 {
+        outbox
+            .enqueue(&db.client, &msg(&rabbit.exchange, "k", n))
+            .await
+            .expect("enqueue");
+    }
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 3 }).await,
+        "skip mode still parks"
+    );
+    assert!(eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await);
+    setup.finish().await;
+}

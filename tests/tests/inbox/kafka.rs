@@ -1,0 +1,133 @@
+//! The Kafka consumer helper: a crash between the effect's commit and the
+//! offset commit is recognized by the group's next consumer.
+
+use std::time::Duration;
+
+use outbox_client::consumer::{apply_once, Handler};
+use outbox_client::inbox::{Arrival, Inbox};
+use outbox_tests::db::{connect, TestDb};
+use outbox_tests::unique;
+use tokio_postgres::Transaction;
+
+use super::{applied, apply_effect, create_effects, PATIENCE};
+
+struct CountRecord {
+    table: String,
+}
+
+impl<'a> Handler<rdkafka::message::BorrowedMessage<'a>> for CountRecord {
+    type Error = tokio_postgres::Error;
+    async fn handle(
+        &self,
+        tx: &Transaction<'_>,
+        m: &rdkafka::message::BorrowedMessage<'a>,
+    ) -> Result<(), Self::Error> {
+        use rdkafka::Message as _;
+        let message = String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned();
+        apply_effect(tx, &self.table, &message).await
+    }
+}
+
+/// Kafka: a consumer commits its effect and dies before committing the offset;
+/// the next consumer of the group reads the record again, recognizes it and
+/// commits the offset, and the effect is not repeated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
+    use outbox_client::consumer::kafka::KafkaInbox;
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let brokers = outbox_tests::kafka_brokers();
+    let db = TestDb::new().await;
+    let effects = create_effects(&db).await;
+    let topic = unique("t");
+    outbox_tests::kafka::create_topic(&brokers, &topic, 1).await;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .expect("producer");
+    let message_id = uuid::Uuid::now_v7().to_string();
+    producer
+        .send(
+            FutureRecord::to(&topic)
+                .payload("k-crash")
+                .key("k")
+                .headers(OwnedHeaders::new().insert(Header {
+                    key: "message-id",
+                    value: Some(message_id.as_str()),
+                })),
+            Duration::from_secs(30),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produce");
+
+    let group = unique("g");
+    let new_consumer = || {
+        let c: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .expect("consumer");
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, 0, Offset::Stored)
+            .expect("partition");
+        c.assign(&tpl).expect("assign");
+        c
+    };
+    let inbox = Inbox::with_schema(db.schema.clone());
+    let handler = CountRecord {
+        table: effects.clone(),
+    };
+
+    {
+        let first = new_consumer();
+        let mut client = connect(&db.config).await;
+        let record = tokio::time::timeout(PATIENCE, first.recv())
+            .await
+            .expect("record in time")
+            .expect("record");
+        let outcome = apply_once(
+            &mut client,
+            &inbox,
+            "counter",
+            &message_id,
+            &record,
+            &handler,
+        )
+        .await
+        .expect("applied");
+        assert_eq!(outcome, Arrival::New);
+        // Dropped without committing the offset.
+    }
+    assert_eq!(applied(&db, &effects, "k-crash").await, 1);
+
+    let second = new_consumer();
+    let mut client = connect(&db.config).await;
+    let record = tokio::time::timeout(PATIENCE, second.recv())
+        .await
+        .expect("record again in time")
+        .expect("record");
+    let consumer = KafkaInbox::new(inbox, "counter").expect("consumer");
+    let outcome = consumer
+        .handle(&mut client, &second, &record, &handler)
+        .await
+        .expect("handled");
+    assert_eq!(outcome, Arrival::Duplicate);
+    assert_eq!(applied(&db, &effects, "k-crash").await, 1);
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(&topic, 0);
+    let committed =
+        tokio::task::block_in_place(|| second.committed_offsets(tpl, Duration::from_secs(30)))
+            .expect("committed offsets");
+    assert_eq!(
+        committed.find_partition(&topic, 0).map(|p| p.offset()),
+        Some(Offset::Offset(1)),
+        "offset committed past the duplicate"
+    );
+    db.cleanup().await;
+}

@@ -1,0 +1,112 @@
+//! Logs never carry the database password or message payloads.
+
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_tests::amqp::Fixture;
+use outbox_tests::db::TestDb;
+use outbox_tests::eventually;
+use tokio::process::Command;
+
+use super::{PATIENCE, RELAY_BIN};
+
+#[tokio::test]
+async fn logs_never_show_the_password_or_payloads() {
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    const PASSWORD: &str = "pw-sentinel-7f3a9";
+    const PAYLOAD: &str = "payload-sentinel-c41e";
+    // Trust authentication ignores the password, so it only travels through
+    // the relay's configuration: exactly what must not leak.
+    let url = outbox_tests::pg_url().replacen("postgres@", &format!("postgres:{PASSWORD}@"), 1);
+    assert!(
+        url.contains(PASSWORD),
+        "test URL must carry the password: {url}"
+    );
+    let mut child = Command::new(RELAY_BIN)
+        .arg("run")
+        .env("OUTBOX_DATABASE_URL", &url)
+        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .env(
+            "OUTBOX_LOG",
+            std::env::var("OUTBOX_TEST_LEAK_LOG").unwrap_or_else(|_| "trace".into()),
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("relay");
+    let pid = child.id().expect("pid");
+    // Drain both pipes as the relay writes, or a full pipe would stall it.
+    let mut out_pipe = child.stdout.take().expect("stdout");
+    let mut err_pipe = child.stderr.take().expect("stderr");
+    let out_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut out_pipe, &mut v).await;
+        v
+    });
+    let err_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
+        v
+    });
+    let unroutable = outbox_tests::unique("nowhere");
+    outbox_tests::amqp::declare_unbound_exchange(&unroutable).await;
+    let messages: Vec<Message> = (0..50)
+        .map(|i| {
+            let dest = if i == 0 {
+                unroutable.as_str()
+            } else {
+                rabbit.exchange.as_str()
+            };
+            Message::builder(dest)
+                .payload(format!("{PAYLOAD}-{i}"))
+                .header("h", "v")
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    assert!(eventually(PATIENCE, || async { rabbit.count() >= 49 }).await);
+    // Let the rejected message's warnings be logged too.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .await;
+    let _ = child.wait().await;
+    let out = out_task.await.expect("stdout");
+    let err = err_task.await.expect("stderr");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out),
+        String::from_utf8_lossy(&err)
+    );
+    assert!(
+        text.contains("relay running"),
+        "the log scan must see real logs:\n{text}"
+    );
+    assert!(
+        text.contains("broker rejected message"),
+        "the rejection path must have logged"
+    );
+    assert!(!text.contains(PASSWORD), "password leaked into the logs");
+    assert!(!text.contains(PAYLOAD), "payload leaked into the logs");
+    // Debug output shows bytes as numbers: lapin logs a returned message
+    // that way, so the sentinel must not appear in that form either.
+    let as_bytes = format!("{:?}", &PAYLOAD.as_bytes()[..8]);
+    let as_bytes = as_bytes.trim_start_matches('[').trim_end_matches(']');
+    assert!(
+        !text.contains(as_bytes),
+        "payload bytes leaked into the logs (as {as_bytes})"
+    );
+    outbox_tests::amqp::delete_exchange(&unroutable).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

@@ -1,0 +1,275 @@
+//! A key whose head is blocked (in backoff, parked or skipped) while
+//! thousands of its messages wait or writers keep adding to it: the other
+//! keys still go out, and the blocked key's messages never overtake its head.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_tests::amqp::Fixture;
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
+use rand::{Rng, SeedableRng};
+
+use super::PATIENCE;
+
+/// How the head of the hot key is blocked.
+#[derive(Debug, Clone, Copy)]
+enum Head {
+    /// Refused, waiting out a long retry backoff.
+    Backoff,
+    /// Dead-lettered; its key's later messages are parked behind it.
+    Parked,
+    /// Dead-lettered; its key's later messages go ahead.
+    Skipped,
+}
+
+/// One key's head is blocked while 10 × batch_size more of its messages wait
+/// behind it; 100 messages of 100 other keys committed afterwards must all go
+/// out, and the blocked key's messages must not overtake its head. Before the
+/// fix, every claim filled up with the blocked key's rows and returned
+/// nothing, so the others waited forever (or until the key drained).
+async fn blocked_head_does_not_stall_other_keys(head: Head) {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let missing = outbox_tests::unique("missing"); // never declared
+    let batch_size = 100;
+    let settings = outbox_relay::Settings {
+        batch_size,
+        max_attempts: match head {
+            Head::Backoff => 100,
+            Head::Parked | Head::Skipped => 1,
+        },
+        // A backoff far longer than the test: the head stays blocked.
+        retry_base: Duration::from_secs(3600),
+        retry_max: Duration::from_secs(3600),
+        park_on_dead_letter: matches!(head, Head::Parked | Head::Backoff),
+        ..fast_settings()
+    };
+    let outbox = db.outbox();
+    let head_id = outbox
+        .enqueue(
+            &db.client,
+            &Message::builder(missing.as_str())
+                .key("hot")
+                .payload(b"head".to_vec())
+                .build()
+                .expect("valid"),
+        )
+        .await
+        .expect("enqueue");
+    let behind: Vec<Message> = (0..10 * batch_size as usize + 500)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key("hot")
+                .payload(format!("hot-{i}").into_bytes())
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &behind)
+        .await
+        .expect("enqueue");
+
+    let relay = InProcessRelay::amqp(&db, settings);
+    // Let the head be refused first, so the others really come after it.
+    assert!(
+        eventually(PATIENCE, || async {
+            let row = db
+                .client
+                .query_opt(
+                    &format!(
+                        "SELECT 1 FROM {} WHERE message_id = $1 AND attempts > 0 \
+                         UNION ALL SELECT 1 FROM {}.dead_letters WHERE message_id = $1",
+                        db.table(),
+                        db.schema.quoted()
+                    ),
+                    &[&head_id.as_uuid()],
+                )
+                .await
+                .expect("query");
+            row.is_some()
+        })
+        .await,
+        "the head was never refused"
+    );
+    let others: Vec<Message> = (0..100)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key(format!("other-{i}"))
+                .payload(format!("other-{i}").into_bytes())
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    let other_ids = outbox
+        .enqueue_batch(&db.client, &others)
+        .await
+        .expect("enqueue");
+    let other_ids: HashSet<String> = other_ids.iter().map(|i| i.to_string()).collect();
+    let arrived = |rabbit: &Fixture| {
+        rabbit
+            .deliveries()
+            .iter()
+            .filter(|d| other_ids.contains(&d.message_id))
+            .count()
+    };
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            arrived(&rabbit) == 100
+        })
+        .await,
+        "{head:?}: only {} of 100 other keys' messages arrived",
+        arrived(&rabbit)
+    );
+    let hot_arrived = rabbit
+        .deliveries()
+        .iter()
+        .filter(|d| d.payload.starts_with(b"hot-"))
+        .count();
+    match head {
+        Head::Backoff | Head::Parked => assert_eq!(
+            hot_arrived, 0,
+            "{head:?}: the hot key's messages overtook its blocked head"
+        ),
+        Head::Skipped => {
+            assert!(
+                eventually(PATIENCE, || async {
+                    rabbit
+                        .deliveries()
+                        .iter()
+                        .filter(|d| d.payload.starts_with(b"hot-"))
+                        .count()
+                        >= behind.len()
+                })
+                .await,
+                "skip mode: the hot key's later messages did not go ahead"
+            );
+            let order: Vec<usize> = rabbit
+                .deliveries()
+                .iter()
+                .filter_map(|d| {
+                    std::str::from_utf8(&d.payload)
+                        .ok()?
+                        .strip_prefix("hot-")?
+                        .parse()
+                        .ok()
+                })
+                .collect();
+            assert!(
+                order.windows(2).all(|w| w[0] < w[1]),
+                "skip mode: the hot key's messages arrived out of order"
+            );
+        }
+    }
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_head_in_backoff_does_not_stall_other_keys() {
+    blocked_head_does_not_stall_other_keys(Head::Backoff).await;
+}
+
+#[tokio::test]
+async fn a_parked_head_does_not_stall_other_keys() {
+    blocked_head_does_not_stall_other_keys(Head::Parked).await;
+}
+
+#[tokio::test]
+async fn a_skipped_dead_letter_does_not_stall_other_keys() {
+    blocked_head_does_not_stall_other_keys(Head::Skipped).await;
+}
+
+/// Writers keep committing to a key whose head is blocked while others flow:
+/// the blocked key's stream must neither stall the others nor get ahead of its
+/// head, and every claim stays small (the blocked rows are set aside once).
+#[tokio::test]
+async fn a_steady_stream_on_a_blocked_key_does_not_stall_others() {
+    outbox_tests::init_logging();
+    let seed = outbox_tests::seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let missing = outbox_tests::unique("missing");
+    let relay = InProcessRelay::amqp(
+        &db,
+        outbox_relay::Settings {
+            batch_size: 50,
+            max_attempts: 1,
+            park_on_dead_letter: true,
+            ..fast_settings()
+        },
+    );
+    let outbox = db.outbox();
+    outbox
+        .enqueue(
+            &db.client,
+            &Message::builder(missing.as_str())
+                .key("hot")
+                .payload(b"head".to_vec())
+                .build()
+                .expect("valid"),
+        )
+        .await
+        .expect("enqueue");
+    let mut other_ids = HashSet::new();
+    for round in 0..40 {
+        let hot: Vec<Message> = (0..rng.random_range(20..80))
+            .map(|i| {
+                Message::builder(rabbit.exchange.as_str())
+                    .key("hot")
+                    .payload(format!("hot-{round}-{i}").into_bytes())
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        outbox.enqueue_batch(&db.client, &hot).await.expect("hot");
+        let others: Vec<Message> = (0..rng.random_range(1..10))
+            .map(|i| {
+                Message::builder(rabbit.exchange.as_str())
+                    .key(format!("o-{round}-{i}"))
+                    .payload(b"other".to_vec())
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        for id in outbox
+            .enqueue_batch(&db.client, &others)
+            .await
+            .expect("others")
+        {
+            other_ids.insert(id.to_string());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let arrived = || {
+        rabbit
+            .deliveries()
+            .iter()
+            .filter(|d| other_ids.contains(&d.message_id))
+            .count()
+    };
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            arrived() == other_ids.len()
+        })
+        .await,
+        "seed {seed}: {} of {} other messages arrived",
+        arrived(),
+        other_ids.len()
+    );
+    assert!(
+        !rabbit
+            .deliveries()
+            .iter()
+            .any(|d| d.payload.starts_with(b"hot-")),
+        "seed {seed}: a parked key's message overtook its dead letter"
+    );
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

@@ -1,0 +1,260 @@
+//! Messages refused before or while sending (by the client library, over the
+//! broker's size limit, a backlog of large Kafka records): a refusal holds back
+//! its key, fails alone and never turns into an endless outage.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_tests::amqp::{self, Fixture};
+use outbox_tests::db::TestDb;
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
+
+use super::PATIENCE;
+
+/// A message the client library refuses to hand to the broker (AMQP caps a
+/// content type at 255 bytes) must hold back its key like a broker refusal:
+/// before the fix the loop published the key's next message in the same
+/// wave, so it overtook the refused one.
+#[tokio::test]
+async fn a_message_refused_before_sending_holds_back_its_key() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let messages = (0..20)
+        .map(|i| {
+            let mut b = Message::builder(rabbit.exchange.as_str())
+                .key("k")
+                .payload(format!("{i}").into_bytes());
+            if i == 5 {
+                b = b.content_type(format!("text/{}", "x".repeat(300)));
+            }
+            b.build().expect("valid")
+        })
+        .collect();
+    let relay = only_messages_before_the_refused_one_go_out(
+        &db,
+        messages,
+        |settings| InProcessRelay::amqp(&db, settings),
+        || rabbit.deliveries().into_iter().map(|d| d.payload).collect(),
+    )
+    .await;
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// Enqueues `messages` (one key, payloads "0".."19", the sixth refused by
+/// the client library before sending), starts the relay with parking on,
+/// and checks that the refused one is dead-lettered and that only the five
+/// before it arrive. Returns the relay to stop.
+async fn only_messages_before_the_refused_one_go_out(
+    db: &TestDb,
+    messages: Vec<Message>,
+    start: impl FnOnce(outbox_relay::Settings) -> InProcessRelay,
+    delivered: impl Fn() -> Vec<Vec<u8>>,
+) -> InProcessRelay {
+    db.outbox()
+        .max_payload_bytes(4 * 1024 * 1024)
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    let relay = start(outbox_relay::Settings {
+        park_on_dead_letter: true,
+        ..fast_settings()
+    });
+    assert!(
+        eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
+        "the refused message was not dead-lettered"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let got: Vec<String> = delivered()
+        .iter()
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    assert_eq!(
+        got,
+        (0..5).map(|i| i.to_string()).collect::<Vec<_>>(),
+        "only the messages before the refused one may go out"
+    );
+    relay
+}
+
+/// Returns how many times each payload arrived.
+fn tally(rabbit: &Fixture) -> HashMap<Vec<u8>, usize> {
+    let mut seen = HashMap::new();
+    for d in rabbit.deliveries() {
+        *seen.entry(d.payload).or_default() += 1;
+    }
+    seen
+}
+
+/// A message over the broker's `max_message_size` closes the channel under
+/// the whole batch. Before the fix that was an outage forever: the rest of
+/// the batch repeated and the message was never dead-lettered. It must fail
+/// alone, go to the dead letters, and let everything else through.
+#[tokio::test]
+async fn a_message_over_the_brokers_size_limit_fails_alone() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    amqp::set_max_message_size(1024 * 1024).await;
+    let outbox = db.outbox().max_payload_bytes(4 * 1024 * 1024);
+    let mut msgs = Vec::new();
+    for i in 0..200u32 {
+        let payload = if i == 50 {
+            vec![b'z'; 2 * 1024 * 1024]
+        } else {
+            i.to_be_bytes().to_vec()
+        };
+        msgs.push(
+            Message::builder(rabbit.exchange.as_str())
+                .key(format!("k{}", i % 7))
+                .payload(payload)
+                .build()
+                .expect("valid"),
+        );
+    }
+    outbox
+        .enqueue_batch(&db.client, &msgs)
+        .await
+        .expect("enqueue");
+    let relay = InProcessRelay::amqp(
+        &db,
+        outbox_relay::Settings {
+            park_on_dead_letter: false,
+            ..fast_settings()
+        },
+    );
+    let drained = eventually(Duration::from_secs(60), || async {
+        db.pending().await == 0
+    })
+    .await;
+    amqp::set_max_message_size(128 * 1024 * 1024).await;
+    assert!(
+        drained,
+        "the outbox never drained past the oversized message"
+    );
+    assert_eq!(db.count("dead_letters").await, 1);
+    let seen = tally(&rabbit);
+    assert_eq!(seen.len(), 199, "every other message arrives");
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// Kafka: a record librdkafka refuses locally (over `message.max.bytes`)
+/// holds back its key like a broker refusal. Before the fix the loop queued
+/// the key's next records in the same batch, which overtook it.
+#[tokio::test]
+async fn kafka_a_record_refused_before_sending_holds_back_its_key() {
+    outbox_tests::init_logging();
+    let brokers = outbox_tests::kafka_brokers();
+    let kafka = outbox_tests::kafka::Fixture::new(&brokers, 1).await;
+    let db = TestDb::new().await;
+    let messages = (0..20)
+        .map(|i| {
+            let payload = if i == 5 {
+                vec![b'z'; 2 * 1024 * 1024]
+            } else {
+                format!("{i}").into_bytes()
+            };
+            Message::builder(kafka.topic.as_str())
+                .key("k")
+                .payload(payload)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    let relay = only_messages_before_the_refused_one_go_out(
+        &db,
+        messages,
+        |settings| InProcessRelay::kafka(&db, &brokers, &[], settings),
+        || kafka.records().into_iter().map(|r| r.payload).collect(),
+    )
+    .await;
+    relay.stop().await;
+    kafka.stop().await;
+    db.cleanup().await;
+}
+
+/// Kafka: 520 rows of 140 KB (73 MB, past librdkafka's 64 MiB local queue
+/// when claimed as one batch). Before the fix the batch failed as an outage
+/// after part of it was sent, and outages never count as attempts, so the
+/// same rows repeated without end. A batch is now bounded by bytes as well,
+/// so it always fits; and the largest payload the client accepts by default
+/// goes through librdkafka's default limits.
+#[tokio::test]
+async fn kafka_a_backlog_of_large_records_drains_without_repeats() {
+    outbox_tests::init_logging();
+    let brokers = outbox_tests::kafka_brokers();
+    let kafka = outbox_tests::kafka::Fixture::new(&brokers, 4).await;
+    let db = TestDb::new().await;
+    let outbox = db.outbox();
+    let mut expected = HashSet::new();
+    for chunk in 0..13 {
+        let msgs: Vec<Message> = (0..40)
+            .map(|i| {
+                Message::builder(kafka.topic.as_str())
+                    .key(format!("k{}", i % 9))
+                    .payload(vec![b'a' + (chunk % 26) as u8; 140_000])
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        for id in outbox
+            .enqueue_batch(&db.client, &msgs)
+            .await
+            .expect("enqueue")
+        {
+            expected.insert(id.to_string());
+        }
+    }
+    // The client's own default limit, with a key and a header beside it.
+    let biggest = Message::builder(kafka.topic.as_str())
+        .key("k-biggest")
+        .header("tenant", "t".repeat(200))
+        .payload(vec![b'b'; outbox_client::DEFAULT_MAX_PAYLOAD_BYTES])
+        .build()
+        .expect("valid");
+    expected.insert(
+        outbox
+            .enqueue(&db.client, &biggest)
+            .await
+            .expect("the default limit is accepted")
+            .to_string(),
+    );
+    let relay = InProcessRelay::kafka(&db, &brokers, &[], fast_settings());
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "{} rows left in the outbox",
+        db.pending().await
+    );
+    assert_eq!(db.count("dead_letters").await, 0, "nothing is refused");
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            kafka.count() >= expected.len()
+        })
+        .await,
+        "{} of {} records consumed",
+        kafka.count(),
+        expected.len()
+    );
+    let failures = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
+    assert_eq!(failures, 0, "no batch failed as a whole");
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for r in kafka.records() {
+        *seen
+            .entry(r.headers.get("message-id").cloned().unwrap_or_default())
+            .or_default() += 1;
+    }
+    assert!(
+        expected.iter().all(|id| seen.get(id) == Some(&1)),
+        "each record once"
+    );
+    relay.stop().await;
+    kafka.stop().await;
+    db.cleanup().await;
+}
