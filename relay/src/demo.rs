@@ -31,9 +31,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     crate::migrate(&pg, &schema).await?;
     println!("1. migrated schema {schema}");
 
-    let amqp = Connection::connect(args.amqp_url.expose(), ConnectionProperties::default())
+    let amqp_url = args.amqp.url()?;
+    let amqp = Connection::connect(amqp_url.expose(), ConnectionProperties::default())
         .await
-        .with_context(|| format!("cannot connect to rabbitmq at {}", args.amqp_url))?;
+        .with_context(|| format!("cannot connect to rabbitmq at {amqp_url}"))?;
     let ch = amqp.create_channel().await?;
     ch.exchange_declare(
         EXCHANGE.into(),
@@ -130,7 +131,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     println!("4. rolled back a transaction that enqueued {ghost}");
 
     let publisher = AmqpPublisher::new(AmqpSettings {
-        url: args.amqp_url.expose().to_owned(),
+        url: amqp_url.expose().to_owned(),
         confirm_timeout: Duration::from_secs(30),
         connect_timeout: Duration::from_secs(10),
         ca_pem: None,

@@ -148,7 +148,7 @@ pub fn install(broker: &'static str) -> Result<PrometheusHandle, String> {
         }
         if name.ends_with("_total") {
             metrics::describe_counter!(*name, *help);
-        } else if name.ends_with("_seconds") && *name != OLDEST_PENDING {
+        } else if name.ends_with("_seconds") {
             metrics::describe_histogram!(*name, metrics::Unit::Seconds, *help);
         } else {
             metrics::describe_gauge!(*name, *help);

@@ -293,13 +293,10 @@ pub struct MigrateArgs {
     pub wait: Duration,
 }
 
-/// Flags of `outbox-relay demo`.
+/// Where RabbitMQ is, for `run` and `demo`.
 #[derive(Debug, Clone, Args)]
-pub struct DemoArgs {
-    /// Where the outbox lives (the demo uses its own schema by default).
-    #[command(flatten)]
-    pub db: DbArgs,
-    /// AMQP URL [default: amqp://guest:***@127.0.0.1:5672/%2f].
+pub struct AmqpArgs {
+    /// AMQP URL [default: amqp://guest:***@127.0.0.1:5672/%2f, RabbitMQ's local guest account].
     #[arg(
         long,
         env = "OUTBOX_AMQP_URL",
@@ -309,6 +306,30 @@ pub struct DemoArgs {
         value_parser = parse_amqp_url
     )]
     pub amqp_url: SecretUrl,
+    /// Read the AMQP URL from this file instead.
+    #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
+    pub amqp_url_file: Option<PathBuf>,
+}
+
+impl AmqpArgs {
+    /// The AMQP URL, with the `_FILE` variant applied.
+    pub fn url(&self) -> Result<SecretUrl, ConfigError> {
+        match &self.amqp_url_file {
+            Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url),
+            None => Ok(self.amqp_url.clone()),
+        }
+    }
+}
+
+/// Flags of `outbox-relay demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Where the outbox lives (the demo uses its own schema by default).
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Where RabbitMQ is.
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
     /// Messages to commit.
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u16).range(1..=10_000))]
     pub count: u16,

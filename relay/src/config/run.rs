@@ -7,10 +7,8 @@ use clap::{Args, ValueEnum};
 use outbox_client::SchemaName;
 
 use super::kafka::{parse_kafka_property, read_kafka_config_file, split_kafka_properties};
-use super::values::{
-    parse_amqp_url, parse_bytes, parse_duration, parse_http_addr, read_ca_file, read_secret,
-};
-use super::{ConfigError, DbArgs, HttpAddr, SecretUrl};
+use super::values::{parse_bytes, parse_duration, parse_http_addr, read_ca_file};
+use super::{ConfigError, DbArgs, HttpAddr};
 use crate::engine::Settings;
 
 /// The broker to publish to.
@@ -31,19 +29,9 @@ pub struct RunArgs {
     /// Broker to publish to.
     #[arg(long, env = "OUTBOX_BROKER", value_enum, default_value_t = BrokerKind::Amqp)]
     pub broker: BrokerKind,
-    /// AMQP URL [default: amqp://guest:***@127.0.0.1:5672/%2f, RabbitMQ's local guest account].
-    #[arg(
-        long,
-        env = "OUTBOX_AMQP_URL",
-        hide_env_values = true,
-        hide_default_value = true,
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        value_parser = parse_amqp_url
-    )]
-    pub amqp_url: SecretUrl,
-    /// Read the AMQP URL from this file instead.
-    #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
-    pub amqp_url_file: Option<PathBuf>,
+    /// Where RabbitMQ is.
+    #[command(flatten)]
+    pub amqp: super::AmqpArgs,
     /// Extra CA certificates (PEM) trusted for `amqps://`, besides the
     /// system's. The broker's certificate and host name are always verified.
     #[arg(long, env = "OUTBOX_AMQP_CA_FILE")]
@@ -230,10 +218,7 @@ impl RunArgs {
                 });
             }
         }
-        let amqp_url = match &self.amqp_url_file {
-            Some(path) => read_secret("--amqp-url-file", path, parse_amqp_url)?,
-            None => self.amqp_url.clone(),
-        };
+        let amqp_url = self.amqp.url()?;
         let ca_pem = match &self.amqp_ca_file {
             Some(path) => Some(read_ca_file("--amqp-ca-file", path)?),
             None => None,

@@ -191,7 +191,7 @@ pub enum Blocker {
 /// Reads the report for `schema`.
 pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsError> {
     let s = schema.quoted();
-    let backlog = inspect::backlog(client, schema)
+    let backlog: Vec<DestinationBacklog> = inspect::backlog(client, schema)
         .await?
         .into_iter()
         .map(|b| DestinationBacklog {
@@ -337,7 +337,6 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
             });
         }
     }
-    let backlog: Vec<DestinationBacklog> = backlog;
     if replicas.is_empty() && !backlog.is_empty() {
         blockers.push(Blocker::NoRelay {
             why: "no relay replica is running",
