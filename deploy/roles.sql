@@ -34,6 +34,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".inbox, :"schema".sent_notifica
 -- that holds the relay back. Granting it takes a superuser (or a role with
 -- ADMIN on pg_read_all_stats); otherwise the script says so and goes on.
 GRANT SELECT, UPDATE, DELETE ON :"schema".messages TO outbox_relay;
+-- The claim floor reads the seq sequence's last value (never draws from it).
+GRANT SELECT ON SEQUENCE :"schema".messages_seq_seq TO outbox_relay;
 GRANT SELECT, INSERT ON :"schema".dead_letters TO outbox_relay;
 -- Retention mode moves published rows here and deletes them after a while.
 GRANT SELECT, INSERT, DELETE ON :"schema".published TO outbox_relay;

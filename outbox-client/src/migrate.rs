@@ -44,6 +44,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V9__notify_off_by_default",
         include_str!("../../migrations/V9__notify_off_by_default.sql"),
     ),
+    (
+        "V10__claim_floor",
+        include_str!("../../migrations/V10__claim_floor.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -119,6 +119,9 @@ pub struct InProcessRelay {
     task: tokio::task::JoinHandle<Result<(), outbox_relay::Error>>,
     /// Its counters.
     pub stats: std::sync::Arc<outbox_relay::Stats>,
+    /// Its claim floor.
+    pub floor: std::sync::Arc<outbox_relay::source::floor::Floor>,
+    publisher: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 impl InProcessRelay {
@@ -175,13 +178,24 @@ impl InProcessRelay {
     ) -> InProcessRelay {
         let relay = outbox_relay::Relay::new(database, db.schema.clone(), publisher, settings);
         let stats = relay.stats();
+        let floor = relay.floor();
+        let publisher = relay.publisher();
         let shutdown = tokio_util::sync::CancellationToken::new();
         let task = tokio::spawn(relay.run(shutdown.clone()));
         InProcessRelay {
             shutdown,
             task,
             stats,
+            floor,
+            publisher,
         }
+    }
+
+    /// Its publisher, as the type it was started with.
+    pub fn publisher<P: outbox_relay::publish::Publisher>(&self) -> std::sync::Arc<P> {
+        std::sync::Arc::clone(&self.publisher)
+            .downcast::<P>()
+            .expect("the relay was started with another publisher type")
     }
 
     /// Requests shutdown and waits for a clean stop.

@@ -90,6 +90,12 @@ async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
         })
         .await
     );
+    // The claim floor reads the seq sequence; without roles.sql's grant it
+    // stays off (at 0) and claims walk rows deleted under old snapshots.
+    assert!(
+        eventually(Duration::from_secs(60), || async { relay.floor.get() > 0 }).await,
+        "the claim floor never moved as the relay's role"
+    );
     relay.stop().await;
 
     // `status` run as the relay's role names another user's long

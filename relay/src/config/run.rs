@@ -135,6 +135,15 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_RETENTION_CLEANUP_BATCH", default_value_t = 1000,
           value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub retention_cleanup_batch: i64,
+    /// How often the claim floor is recomputed from the start of the fresh
+    /// index. The floor is a seq below which no unpublished row can exist or
+    /// appear, so claims skip rows deleted while an old snapshot elsewhere
+    /// (a report, pg_dump) keeps them from being cleaned up; a rescan brings
+    /// back a row that something other than the relay (a hand-written UPDATE,
+    /// an older relay's `dead-letters retry`) put below it. "0s" turns the
+    /// floor off: every claim scans from the start.
+    #[arg(long, env = "OUTBOX_CLAIM_FLOOR_RESCAN", default_value = "60s", value_parser = parse_duration)]
+    pub claim_floor_rescan: Duration,
     /// Address for /metrics (Prometheus), /healthz and /readyz; "off" disables.
     #[arg(long, env = "OUTBOX_HTTP_ADDR", default_value = "0.0.0.0:9839", value_parser = parse_http_addr)]
     pub http_addr: HttpAddr,
@@ -287,6 +296,8 @@ impl RunArgs {
                 lease: self.lease,
                 retention: (!self.retention.is_zero()).then_some(self.retention),
                 retention_cleanup_batch: self.retention_cleanup_batch,
+                claim_floor_rescan: (!self.claim_floor_rescan.is_zero())
+                    .then_some(self.claim_floor_rescan),
             },
         })
     }

@@ -22,6 +22,7 @@ use crate::backoff::Backoff;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::Queries;
+use crate::source::floor::{self, Floor};
 use crate::source::ownership::{self, OwnershipSettings};
 use crate::source::{self, listener, retention, Database};
 use crate::Error;
@@ -76,6 +77,10 @@ pub struct Settings {
     pub retention: Option<Duration>,
     /// Rows per delete statement of the retention cleanup.
     pub retention_cleanup_batch: i64,
+    /// How often the claim floor is recomputed from the start of the index
+    /// (see [`crate::source::floor`]); `None` runs with no floor, every
+    /// claim scanning fresh rows from the start.
+    pub claim_floor_rescan: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -96,6 +101,7 @@ impl Default for Settings {
             lease: Duration::from_secs(5),
             retention: None,
             retention_cleanup_batch: 1000,
+            claim_floor_rescan: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -107,6 +113,7 @@ pub struct Relay<P: Publisher> {
     publisher: Arc<P>,
     settings: Settings,
     stats: Arc<Stats>,
+    floor: Arc<Floor>,
 }
 
 impl<P: Publisher> Relay<P> {
@@ -126,7 +133,13 @@ impl<P: Publisher> Relay<P> {
             publisher: Arc::new(publisher),
             settings,
             stats: Arc::new(Stats::default()),
+            floor: Arc::new(Floor::default()),
         }
+    }
+
+    /// The claim floor its workers use (0 until first computed).
+    pub fn floor(&self) -> Arc<Floor> {
+        Arc::clone(&self.floor)
     }
 
     /// The relay's counters.
@@ -191,6 +204,17 @@ impl<P: Publisher> Relay<P> {
                 shutdown.clone(),
             ));
         }
+        let floor = Arc::clone(&self.floor);
+        if let Some(rescan) = self.settings.claim_floor_rescan {
+            tracker.spawn(floor::run(
+                self.pg.clone(),
+                self.schema.clone(),
+                Arc::clone(&floor),
+                rescan,
+                self.settings.reconnect_max,
+                shutdown.clone(),
+            ));
+        }
         let pipeline = self.settings.pipeline.max(1);
         let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
         let payload_budget_kib = self.payload_budget_kib();
@@ -198,6 +222,7 @@ impl<P: Publisher> Relay<P> {
         for id in 0..=pipeline {
             let worker = Worker {
                 idle: idle.clone(),
+                floor: Arc::clone(&floor),
                 in_flight: Arc::clone(&in_flight),
                 payload_budget: Arc::clone(&payload_budget),
                 payload_budget_kib,

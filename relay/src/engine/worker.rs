@@ -16,6 +16,7 @@ use crate::backoff::Backoff;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::{ClaimLimits, Prepared, Queries};
+use crate::source::floor::Floor;
 use crate::source::ownership::Owned;
 use crate::source::{self, Database};
 use crate::supervise::{sleep_or_cancel, supervise};
@@ -23,6 +24,8 @@ use crate::supervise::{sleep_or_cancel, supervise};
 pub(super) struct Worker<P: Publisher> {
     pub(super) id: usize,
     pub(super) idle: Idle,
+    /// Where the claim's scan of fresh rows starts.
+    pub(super) floor: Arc<Floor>,
     pub(super) owned: Owned,
     pub(super) pg: Database,
     pub(super) queries: Queries,
@@ -243,9 +246,10 @@ impl<P: Publisher> Worker<P> {
         let claiming = self.idle.claiming.lock().await;
         let claimed = self
             .queries
-            .claim(&tx, prepared, &limits, &partitions)
+            .claim(&tx, prepared, &limits, &partitions, self.floor.get())
             .await?;
         drop(claiming);
+        self.floor.note_claim();
         let holds = claimed.holds;
         let behind = claimed.blocked > holds.len();
         let batch = hooks::claimed(claimed.batch);

@@ -192,6 +192,11 @@ pub fn require_selection(filter: &Filter) -> Result<(), OpsError> {
 /// Returns matching dead letters to the outbox with their original seq (so they
 /// keep their place in their key's order) and a fresh attempt count. Their keys
 /// unpark as the dead letters leave. Returns how many moved.
+///
+/// Rows that come back below the claim floor (see [`crate::source::floor`])
+/// come back due now rather than fresh: the claim's scan of fresh rows
+/// starts at the floor, its scan of due rows does not. The same holds for
+/// [`resume`] and the rows set aside behind a dead letter.
 pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Result<u64, OpsError> {
     require_selection(filter)?;
     let (wher, params) = filter.sql();
@@ -204,10 +209,11 @@ pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Res
                 "WITH moved AS (DELETE FROM {s}.dead_letters WHERE {wher} RETURNING *), \
                  {unhold} \
                  INSERT INTO {s}.messages (seq, message_id, destination, ordering_key, routing_key, \
-                                           headers, payload, content_type, event_type, created_at, last_error) \
+                                           headers, payload, content_type, event_type, created_at, last_error, \
+                                           next_attempt_at) \
                  OVERRIDING SYSTEM VALUE \
                  SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
-                        content_type, event_type, created_at, 'retried from dead letters: ' || last_error \
+                        content_type, event_type, created_at, 'retried from dead letters: ' || last_error, now() \
                  FROM moved ORDER BY seq",
                 unhold = unhold_keys_of(&s, "moved"),
             ),
@@ -262,7 +268,7 @@ pub async fn resume(
             &format!(
                 "WITH gone AS (DELETE FROM {s}.paused_destinations WHERE destination = $1 RETURNING 1), \
                  back AS ( \
-                    UPDATE {s}.messages SET next_attempt_at = '-infinity' \
+                    UPDATE {s}.messages SET next_attempt_at = now() \
                     WHERE EXISTS (SELECT 1 FROM gone) AND next_attempt_at > now() \
                       AND (destination = $1 OR (attempts = 0 AND ordering_key IN ( \
                             SELECT ordering_key FROM {s}.messages \
@@ -312,9 +318,9 @@ pub async fn discard(
 /// still holds back any row whose older rows remain.
 fn unhold_keys_of(schema: &str, source: &str) -> String {
     format!(
-        "unheld AS (UPDATE {schema}.messages SET next_attempt_at = '-infinity' \
+        "unheld AS (UPDATE {schema}.messages SET next_attempt_at = now() \
            WHERE ordering_key IN (SELECT ordering_key FROM {source} WHERE ordering_key IS NOT NULL) \
-             AND attempts = 0 AND next_attempt_at > '-infinity' RETURNING 1)"
+             AND attempts = 0 AND next_attempt_at > now() RETURNING 1)"
     )
 }
 

@@ -5,9 +5,11 @@
 //! - [`ownership`] shares the 64 virtual partitions between replicas.
 //! - [`database`] holds the connection settings and the TLS policy.
 //! - [`retention`] clears published rows past `--retention`.
+//! - [`floor`] keeps the claim from walking rows deleted under an old snapshot.
 
 pub mod claim;
 pub mod database;
+pub mod floor;
 pub mod inspect;
 pub mod listener;
 pub mod ownership;

@@ -48,6 +48,8 @@ struct Args {
     pipeline: usize,
     rounds: usize,
     replicas: usize,
+    /// Backlog sizes for `--broker backlog`.
+    sizes: Vec<usize>,
 }
 
 fn parse_args() -> Args {
@@ -59,15 +61,34 @@ fn parse_args() -> Args {
         pipeline: 3,
         rounds: 1,
         replicas: 3,
+        sizes: vec![10_000, 100_000, 1_000_000],
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < argv.len() {
         if argv[i] == "--broker" {
             match argv.get(i + 1).map(String::as_str) {
-                Some(b @ ("amqp" | "kafka" | "all" | "memory")) => a.broker = b.to_owned(),
+                Some(b @ ("amqp" | "kafka" | "all" | "memory" | "backlog")) => {
+                    a.broker = b.to_owned()
+                }
                 _ => {
-                    eprintln!("--broker takes amqp, kafka, all or memory");
+                    eprintln!("--broker takes amqp, kafka, all, memory or backlog");
+                    std::process::exit(2);
+                }
+            }
+            i += 2;
+            continue;
+        }
+        if argv[i] == "--sizes" {
+            let sizes: Option<Vec<usize>> = argv.get(i + 1).and_then(|v| {
+                v.split(',')
+                    .map(|n| n.trim().replace('_', "").parse().ok())
+                    .collect()
+            });
+            match sizes {
+                Some(sizes) if !sizes.is_empty() => a.sizes = sizes,
+                _ => {
+                    eprintln!("--sizes takes backlog sizes separated by commas, e.g. 10000,100000");
                     std::process::exit(2);
                 }
             }
@@ -83,7 +104,7 @@ fn parse_args() -> Args {
             ("--rounds", Some(v)) if v > 0 => a.rounds = v,
             ("--replicas", Some(v)) if v > 0 => a.replicas = v,
             (other, _) => {
-                eprintln!("usage: bench [--broker amqp|kafka|all] [--messages N] [--keys K] [--batch B] [--pipeline P] [--rounds R] [--replicas N] (bad: {other})");
+                eprintln!("usage: bench [--broker amqp|kafka|all|memory|backlog] [--sizes N,N,...] [--messages N] [--keys K] [--batch B] [--pipeline P] [--rounds R] [--replicas N] (bad: {other})");
                 std::process::exit(2);
             }
         }
@@ -112,11 +133,24 @@ async fn main() -> anyhow::Result<()> {
     if args.broker == "memory" {
         memory().await?;
     }
+    if args.broker == "backlog" {
+        backlog(&args).await?;
+    }
     Ok(())
 }
 
 /// Messages for the outbox: 1 KiB payloads over `keys` keys.
 async fn fill_outbox(db: &TestDb, destination: &str, args: &Args) -> anyhow::Result<f64> {
+    fill_outbox_to(db, destination, ROUTING_KEY, args).await
+}
+
+/// [`fill_outbox`] with a routing key of the caller's.
+async fn fill_outbox_to(
+    db: &TestDb,
+    destination: &str,
+    routing_key: &str,
+    args: &Args,
+) -> anyhow::Result<f64> {
     let payload = vec![b'x'; 1024];
     let outbox = db.outbox();
     let started = Instant::now();
@@ -127,7 +161,7 @@ async fn fill_outbox(db: &TestDb, destination: &str, args: &Args) -> anyhow::Res
             .map(|i| {
                 Message::builder(destination)
                     .key(format!("key-{}", i % args.keys.max(1)))
-                    .routing_key(ROUTING_KEY)
+                    .routing_key(routing_key)
                     .content_type(CONTENT_TYPE)
                     .payload(payload.clone())
                     .build()
@@ -552,8 +586,38 @@ async fn drain_process(
     consumer_queue: &str,
     ch: &lapin::Channel,
 ) -> anyhow::Result<(f64, u64)> {
+    let drained =
+        drain_process_with(bin, db, expected, consumer_queue, ch, &[], || async {}).await?;
+    Ok((drained.secs, drained.peak_rss_kib))
+}
+
+/// What one relay process's drain measured.
+struct Drained {
+    secs: f64,
+    peak_rss_kib: u64,
+    cpu: Duration,
+}
+
+/// Runs the relay process with `env` added until the outbox is empty (or,
+/// with `expected` 0, for 3 s idle). `halfway` runs once when half the rows
+/// are gone, while the relay keeps draining.
+async fn drain_process_with<F, Fut>(
+    bin: &std::path::Path,
+    db: &TestDb,
+    expected: usize,
+    consumer_queue: &str,
+    ch: &lapin::Channel,
+    env: &[(&str, &str)],
+    halfway: F,
+) -> anyhow::Result<Drained>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut halfway = Some(halfway);
     let mut child = tokio::process::Command::new(bin)
         .arg("run")
+        .envs(env.iter().copied())
         .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
         .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
         .env("OUTBOX_SCHEMA", db.schema.as_str())
@@ -574,7 +638,13 @@ async fn drain_process(
             break;
         }
         if started.elapsed() > Duration::from_secs(600) {
+            child.kill().await?;
             anyhow::bail!("{left} rows still waiting after 10 minutes");
+        }
+        if left as usize <= expected / 2 {
+            if let Some(f) = halfway.take() {
+                f().await;
+            }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -583,11 +653,194 @@ async fn drain_process(
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
     let secs = started.elapsed().as_secs_f64();
-    let peak = outbox_tests::process::peak_rss_kib(pid).unwrap_or(0);
+    let peak_rss_kib = outbox_tests::process::peak_rss_kib(pid).unwrap_or(0);
+    let cpu = outbox_tests::process::cpu_time_of(pid).unwrap_or_default();
     child.kill().await?;
     ch.queue_purge(consumer_queue.into(), QueuePurgeOptions::default())
         .await?;
-    Ok((secs, peak))
+    Ok(Drained {
+        secs,
+        peak_rss_kib,
+        cpu,
+    })
+}
+
+/// The relay's claim as Postgres runs it at `floor` (generic plan, as the
+/// relay's sessions plan it), in a transaction rolled back afterwards: its
+/// execution time and buffers touched.
+async fn explain_claim(
+    config: &tokio_postgres::Config,
+    schema: &outbox_client::SchemaName,
+    floor: i64,
+) -> anyhow::Result<(f64, u64)> {
+    let client = outbox_tests::db::connect(config).await;
+    let queries = outbox_relay::source::claim::Queries::new(schema, true, false);
+    client
+        .batch_execute(&format!(
+            "SET plan_cache_mode = force_generic_plan; BEGIN; \
+             PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+            queries.claim_sql()
+        ))
+        .await?;
+    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
+    let plan: serde_json::Value = client
+        .query_one(
+            &format!(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim(500, '{{{}}}', 8388608, 60, {floor})",
+                partitions.join(",")
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
+    client.batch_execute("ROLLBACK").await?;
+    let top = &plan[0]["Plan"];
+    let ms = plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN);
+    let buffers = top["Shared Hit Blocks"].as_u64().unwrap_or(0)
+        + top["Shared Read Blocks"].as_u64().unwrap_or(0);
+    Ok((ms, buffers))
+}
+
+/// The claim floor as the relay computes it, from a tracker of our own.
+async fn current_floor(
+    config: &tokio_postgres::Config,
+    schema: &outbox_client::SchemaName,
+) -> anyhow::Result<i64> {
+    let client = outbox_tests::db::connect(config).await;
+    let mut tracker = outbox_relay::source::floor::Tracker::new(schema, Duration::from_secs(3600));
+    tracker.prepare(&client).await?;
+    for _ in 0..100 {
+        if let Some(floor) = tracker.step(&client, 0).await? {
+            return Ok(floor);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("the floor did not settle in 5 s")
+}
+
+/// Drains backlogs of each size to one queue on the default exchange with
+/// the release relay process: with no other session, with a REPEATABLE READ
+/// snapshot held open from before the backlog was written to the end of the
+/// drain, and (up to 100,000) pinned with the claim floor off, the relay as
+/// it was before the floor. Prints each drain rate against the unpinned
+/// drain of 10,000 (the first size), the relay's peak RSS and CPU, and the
+/// claim's cost halfway through each pinned drain of 1,000,000 or more.
+async fn backlog(args: &Args) -> anyhow::Result<()> {
+    let bin = outbox_tests::process::release_relay_binary()?;
+    let queue = outbox_tests::unique("backlogq");
+    let conn =
+        Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    // Bounded, so a million messages do not sit in the broker's memory; the
+    // broker still routes, stores and confirms every one.
+    let mut queue_args = FieldTable::default();
+    queue_args.insert(
+        "x-max-length".into(),
+        lapin::types::AMQPValue::LongLongInt(50_000),
+    );
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        queue_args,
+    )
+    .await?;
+    let autovacuum: String = {
+        let db = TestDb::new().await;
+        let v = db.client.query_one("SHOW autovacuum", &[]).await?.get(0);
+        db.cleanup().await;
+        v
+    };
+    println!(
+        "autovacuum = {autovacuum}; one durable queue on the default exchange; 1 KiB over {} keys",
+        args.keys
+    );
+    println!(
+        "{:<10} {:<26} {:>10} {:>9} {:>9} {:>10} {:>12}",
+        "backlog", "snapshot", "msgs/s", "vs 10k", "RSS MiB", "CPU s/10k", "claim"
+    );
+    let mut baseline = None;
+    for &size in &args.sizes {
+        let variants: &[(&str, bool, bool)] = if size <= 100_000 {
+            &[
+                ("none", false, true),
+                ("pinned", true, true),
+                ("pinned, floor off", true, false),
+            ]
+        } else {
+            &[("none", false, true), ("pinned", true, true)]
+        };
+        for &(label, pinned, floor_on) in variants {
+            let db = TestDb::new().await;
+            outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+            let pin = outbox_tests::db::connect(&db.config).await;
+            if pinned {
+                pin.batch_execute(
+                    "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
+                )
+                .await?;
+            }
+            let fill = Args {
+                messages: size,
+                sizes: Vec::new(),
+                broker: String::new(),
+                ..*args
+            };
+            fill_outbox_to(&db, "", &queue, &fill).await?;
+            let mut env = Vec::new();
+            if !floor_on {
+                env.push(("OUTBOX_CLAIM_FLOOR_RESCAN", "0s"));
+            }
+            let claim_halfway = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+            let note = std::sync::Arc::clone(&claim_halfway);
+            let (config, schema) = (db.config.clone(), db.schema.clone());
+            let drained = drain_process_with(&bin, &db, size, &queue, &ch, &env, || {
+                async move {
+                    if !pinned || size < 1_000_000 {
+                        return;
+                    }
+                    let text = async {
+                        let floor = current_floor(&config, &schema).await?;
+                        let (ms0, b0) = explain_claim(&config, &schema, 0).await?;
+                        let (ms, b) = explain_claim(&config, &schema, floor).await?;
+                        anyhow::Ok(format!(
+                            "halfway through the pinned drain of {size}: the claim from seq 0 ran {ms0:.1} ms touching {b0} buffers; from the floor ({floor}) {ms:.1} ms, {b} buffers"
+                        ))
+                    }
+                    .await
+                    .unwrap_or_else(|e| format!("claim not measured: {e}"));
+                    *note.lock().expect("not poisoned") = text;
+                }
+            })
+            .await?;
+            let rate = size as f64 / drained.secs;
+            let base = *baseline.get_or_insert(rate);
+            let claim = claim_halfway.lock().expect("not poisoned").clone();
+            println!(
+                "{:<10} {:<26} {:>10.0} {:>9.2} {:>9.1} {:>10.2} {:>12}",
+                size,
+                label,
+                rate,
+                rate / base,
+                drained.peak_rss_kib as f64 / 1024.0,
+                drained.cpu.as_secs_f64() / size as f64 * 10_000.0,
+                if claim.is_empty() { "-" } else { "below" }
+            );
+            if !claim.is_empty() {
+                println!("  {claim}");
+            }
+            if pinned {
+                pin.batch_execute("ROLLBACK").await?;
+            }
+            db.cleanup().await;
+        }
+    }
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+    let _ = conn.close(200, "bench done".into()).await;
+    Ok(())
 }
 
 /// Peak RSS of the relay process per payload size, against the same process

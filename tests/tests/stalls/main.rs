@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 mod blocked_head;
+mod floor;
 mod outboxes;
 mod refused;
 mod returns;

@@ -79,12 +79,24 @@ impl Queries {
         client.execute(self.exists.as_str(), &[]).await.map(|_| ())
     }
 
+    /// The claim's SQL, for EXPLAIN. Its parameters: rows, partitions
+    /// (`smallint[]`), bytes, park recheck seconds, floor.
+    pub fn claim_sql(&self) -> &str {
+        &self.claim
+    }
+
     /// Prepares the per-batch statements on `client`.
     pub async fn prepare(&self, client: &Client) -> Result<Prepared, tokio_postgres::Error> {
         let claim = client
             .prepare_typed(
                 &self.claim,
-                &[Type::INT8, Type::INT2_ARRAY, Type::INT8, Type::FLOAT8],
+                &[
+                    Type::INT8,
+                    Type::INT2_ARRAY,
+                    Type::INT8,
+                    Type::FLOAT8,
+                    Type::INT8,
+                ],
             )
             .await?;
         let settle = match &self.retain {
@@ -106,12 +118,15 @@ impl Queries {
     /// replica owns, up to `limits`. `prepared` must come from the connection
     /// `tx` runs on. Rows of keys whose head is blocked come back as holds,
     /// to be set aside with [`Queries::hold`] in the same transaction.
+    /// `floor` is a seq below which no fresh row exists (see
+    /// [`crate::source::floor`]); 0 when none is known.
     pub async fn claim(
         &self,
         tx: &Transaction<'_>,
         prepared: &Prepared,
         limits: &ClaimLimits,
         partitions: &[i16],
+        floor: i64,
     ) -> Result<Claimed, tokio_postgres::Error> {
         let rows = tx
             .query(
@@ -121,6 +136,7 @@ impl Queries {
                     &partitions,
                     &limits.bytes,
                     &limits.park_recheck.as_secs_f64(),
+                    &floor,
                 ],
             )
             .await?;

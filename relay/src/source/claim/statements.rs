@@ -23,9 +23,17 @@ impl Queries {
         };
         Queries {
             // Two locking scans, each bounded by the batch size: fresh rows in
-            // seq order, and rows whose own time has come (retries, and rows
-            // set aside behind their key's head). Neither walks rows that are
-            // waiting, so what a blocked key holds back costs nothing here.
+            // seq order from the claim floor ($5, see `source::floor`), and
+            // rows whose own time has come (retries, and rows set aside behind
+            // their key's head). Neither walks rows that are waiting, so what
+            // a blocked key holds back costs nothing here, and neither walks
+            // rows deleted below the floor, which an old snapshot elsewhere
+            // keeps from being marked dead.
+            //
+            // The head-of-key probe looks for an older row of the key in two
+            // places, for the same reason: at or above the floor, any row;
+            // below it, where no fresh row can be, only the rows that wait
+            // (their own index, `messages_waiting_key_seq`).
             //
             // The columns come from the locking scans themselves. A row another
             // batch settled after this statement's snapshot was taken is
@@ -52,6 +60,7 @@ impl Queries {
                            content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
                     FROM {t} \
                     WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
+                      AND seq >= $5 \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
                     SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
@@ -75,10 +84,18 @@ impl Queries {
                     SELECT k.k, k.paused_from, b.seq AS gap, b.next_attempt_at AS gap_until, \
                            {parked_from} AS parked_from \
                     FROM keys k LEFT JOIN LATERAL ( \
-                        SELECT p.seq, p.next_attempt_at FROM {t} p \
-                        WHERE p.ordering_key = k.k AND p.seq < k.top \
-                          AND p.seq NOT IN (SELECT seq FROM kept) \
-                        ORDER BY p.seq LIMIT 1) b ON true \
+                        SELECT o.seq, o.next_attempt_at FROM ( \
+                            (SELECT p.seq, p.next_attempt_at FROM {t} p \
+                             WHERE p.ordering_key = k.k AND p.seq >= $5 AND p.seq < k.top \
+                               AND p.seq NOT IN (SELECT seq FROM kept) \
+                             ORDER BY p.seq LIMIT 1) \
+                            UNION ALL \
+                            (SELECT p.seq, p.next_attempt_at FROM {t} p \
+                             WHERE p.ordering_key = k.k AND p.seq < least($5, k.top) \
+                               AND p.next_attempt_at > '-infinity' \
+                               AND p.seq NOT IN (SELECT seq FROM kept) \
+                             ORDER BY p.seq LIMIT 1)) o \
+                        ORDER BY o.seq LIMIT 1) b ON true \
                  ), verdict AS ( \
                     SELECT m.*, \
                            m.paused OR coalesce(g.paused_from <= m.seq, false) \

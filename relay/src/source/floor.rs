@@ -1,0 +1,314 @@
+//! The claim floor: a seq below which no fresh row exists or can appear, so
+//! the claim's scan of fresh rows starts there instead of at the start of
+//! the index.
+//!
+//! Why it is needed: a confirmed row is deleted, but while any snapshot older
+//! than the delete is open (a report, `pg_dump`, a forgotten `BEGIN`: the
+//! pinned xmin horizon), its index entry cannot be marked dead, and a scan
+//! from the start of the index visits every such row to learn that it is
+//! gone. Each claim then costs as much as everything deleted since the
+//! snapshot began, and a drain of a large backlog slows to a crawl.
+//!
+//! Why it is not a watermark: a transaction that commits late can make a
+//! lower seq visible after higher ones were published, and `seq > last_seen`
+//! would skip it. The floor only moves past a seq once no transaction that
+//! could still commit a row with it is running. The proof, per step:
+//!
+//! 1. Read `m`, the sequence's last value. Every row with seq ≤ m was given
+//!    its seq by an INSERT (or COPY) that already held a `RowExclusiveLock`
+//!    on the table, since a statement locks its target table before it
+//!    evaluates defaults. The sequence hands out values one at a time
+//!    (`CACHE 1`, checked at start-up; a cached sequence turns the floor off).
+//! 2. Then list the transactions holding a writer's lock on the table: every
+//!    one that could still commit a row with seq ≤ m is among them.
+//! 3. Later, list them again. When none of the first list is left, and no
+//!    prepared transaction holds such a lock, every row with seq ≤ m is
+//!    committed (and visible to any snapshot taken from now on) or gone for
+//!    good. A transaction that ends releases its locks after it has left the
+//!    running set, so a snapshot taken after step 3 sees what it committed.
+//! 4. With a new snapshot, the floor becomes the lowest fresh seq ≤ m, or
+//!    m + 1 when there is none.
+//!
+//! A long reader, however old its snapshot, holds no writer's lock and never
+//! stops the floor; an open transaction that inserted into the outbox does,
+//! as it must. Rows re-enter the outbox below the floor only through the
+//! relay's own operations (retrying a dead letter, resuming a destination,
+//! releasing rows set aside), and those put them on the due path, which the
+//! floor does not bound. Against anything else (an old relay binary, a hand
+//! written `UPDATE`), every `rescan` interval the floor is recomputed from
+//! the start of the index, so such a row waits at most that long.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_client::SchemaName;
+use tokio::time::Instant;
+use tokio_postgres::{Client, Statement};
+use tokio_util::sync::CancellationToken;
+
+use crate::supervise::{sleep_or_cancel, supervise};
+
+/// How often the floor is moved while claims are running.
+pub const TICK: Duration = Duration::from_millis(100);
+
+/// The floor shared by a relay's workers: the lowest seq a fresh row can
+/// have. 0 (no floor) until it is first computed, and whenever it cannot be.
+#[derive(Debug, Default)]
+pub struct Floor {
+    seq: AtomicI64,
+    claims: AtomicU64,
+}
+
+impl Floor {
+    /// The seq the claim's fresh scan starts from.
+    pub fn get(&self) -> i64 {
+        self.seq.load(Ordering::Relaxed)
+    }
+
+    /// Counts a claim, so the floor moves only while there is work.
+    pub fn note_claim(&self) {
+        self.claims.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn set(&self, seq: i64) {
+        self.seq.store(seq, Ordering::Relaxed);
+    }
+}
+
+/// The statements for one schema's outbox.
+#[derive(Debug, Clone)]
+struct Statements {
+    /// The sequence's cache size and last value (`CACHE 1` or no floor).
+    sequence: String,
+    /// Transactions holding a writer's lock on the outbox table, and whether
+    /// one of them is prepared (two-phase commit: it can commit later with
+    /// no session).
+    writers: String,
+    /// The lowest fresh seq in [$1, $2], else $2 + 1.
+    lowest_fresh: String,
+}
+
+impl Statements {
+    fn new(schema: &SchemaName) -> Self {
+        let table = format!("{}.messages", schema.quoted());
+        let literal = table.replace('\'', "''");
+        Statements {
+            sequence: format!(
+                "SELECT s.seqcache, coalesce(pg_sequence_last_value(s.seqrelid), s.seqstart - s.seqincrement) \
+                 FROM pg_sequence s \
+                 WHERE s.seqrelid = pg_get_serial_sequence('{literal}', 'seq')::regclass"
+            ),
+            writers: format!(
+                "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{{}}'), coalesce(bool_or(pid IS NULL), false) \
+                 FROM pg_locks \
+                 WHERE locktype = 'relation' \
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                   AND relation = '{literal}'::regclass \
+                   AND mode NOT IN ('AccessShareLock', 'RowShareLock') \
+                   AND pid IS DISTINCT FROM pg_backend_pid()"
+            ),
+            lowest_fresh: format!(
+                "SELECT coalesce((SELECT seq FROM {table} \
+                   WHERE next_attempt_at = '-infinity' AND seq >= $1 AND seq <= $2 \
+                   ORDER BY seq LIMIT 1), $2 + 1)"
+            ),
+        }
+    }
+}
+
+/// A seq every row at or below which was given before `writers` were listed.
+#[derive(Debug)]
+struct Candidate {
+    upto: i64,
+    writers: Vec<String>,
+}
+
+/// [`Statements`] prepared on the tracker's connection.
+#[derive(Debug)]
+struct Prepared {
+    sequence: Statement,
+    writers: Statement,
+    lowest_fresh: Statement,
+}
+
+/// One relay's floor computation: what step 3 is waiting for.
+#[derive(Debug)]
+pub struct Tracker {
+    statements: Statements,
+    prepared: Option<Prepared>,
+    candidate: Option<Candidate>,
+    rescan: Duration,
+    last_full: Option<Instant>,
+}
+
+/// Why the floor cannot be used on this outbox.
+#[derive(Debug, thiserror::Error)]
+pub enum Unusable {
+    /// The sequence hands out values in blocks: a session can use a cached
+    /// seq below the last value after the floor has passed it.
+    #[error("the seq sequence caches {0} values per session; the claim floor needs CACHE 1")]
+    CachedSequence(i64),
+    /// The relay's role cannot read the sequence (`GRANT SELECT ON SEQUENCE`).
+    #[error("cannot read the seq sequence: {}", super::PgError(.0))]
+    Sequence(tokio_postgres::Error),
+}
+
+impl Tracker {
+    /// A tracker for `schema` that recomputes the floor from the start of
+    /// the index every `rescan`.
+    pub fn new(schema: &SchemaName, rescan: Duration) -> Self {
+        Tracker {
+            statements: Statements::new(schema),
+            prepared: None,
+            candidate: None,
+            rescan,
+            last_full: None,
+        }
+    }
+
+    /// Prepares the tracker's statements on `client`, the connection every
+    /// [`Tracker::step`] must then use. Refuses an outbox whose sequence
+    /// makes the floor unsafe, or that the relay cannot read.
+    pub async fn prepare(&mut self, client: &Client) -> Result<(), Unusable> {
+        let sequence = client
+            .prepare(&self.statements.sequence)
+            .await
+            .map_err(Unusable::Sequence)?;
+        let row = client
+            .query_one(&sequence, &[])
+            .await
+            .map_err(Unusable::Sequence)?;
+        let cache: i64 = row.get(0);
+        if cache != 1 {
+            return Err(Unusable::CachedSequence(cache));
+        }
+        let writers = client
+            .prepare(&self.statements.writers)
+            .await
+            .map_err(Unusable::Sequence)?;
+        let lowest_fresh = client
+            .prepare(&self.statements.lowest_fresh)
+            .await
+            .map_err(Unusable::Sequence)?;
+        self.prepared = Some(Prepared {
+            sequence,
+            writers,
+            lowest_fresh,
+        });
+        self.candidate = None;
+        Ok(())
+    }
+
+    /// One step: when the transactions listed last time have all ended,
+    /// computes a new floor and returns it; then, if no list is pending,
+    /// starts the next one. `current` is the floor in use now.
+    pub async fn step(
+        &mut self,
+        client: &Client,
+        current: i64,
+    ) -> Result<Option<i64>, tokio_postgres::Error> {
+        let Some(prepared) = &self.prepared else {
+            return Ok(None);
+        };
+        let mut moved = None;
+        if let Some(candidate) = &self.candidate {
+            let (writers, two_phase) = writers_now(client, prepared).await?;
+            let ended = !two_phase && !writers.iter().any(|w| candidate.writers.contains(w));
+            if ended {
+                let full = self.last_full.is_none_or(|at| at.elapsed() >= self.rescan);
+                let from = if full { 0 } else { current };
+                let row = client
+                    .query_one(&prepared.lowest_fresh, &[&from, &candidate.upto])
+                    .await?;
+                if full {
+                    self.last_full = Some(Instant::now());
+                }
+                moved = Some(row.get(0));
+                self.candidate = None;
+            }
+        }
+        if self.candidate.is_none() {
+            // Order matters: the last value first, then the writers.
+            let row = client.query_one(&prepared.sequence, &[]).await?;
+            let upto: i64 = row.get(1);
+            let (writers, _) = writers_now(client, prepared).await?;
+            self.candidate = Some(Candidate { upto, writers });
+        }
+        Ok(moved)
+    }
+}
+
+/// The writers holding a lock on the outbox now, and whether one is a
+/// prepared transaction.
+async fn writers_now(
+    client: &Client,
+    prepared: &Prepared,
+) -> Result<(Vec<String>, bool), tokio_postgres::Error> {
+    let row = client.query_one(&prepared.writers, &[]).await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// Keeps `floor` moving while claims run, until `shutdown`. When the floor
+/// cannot be used it stays at 0, said once. While Postgres is lost it keeps
+/// its last value, which stays true.
+pub async fn run(
+    pg: super::Database,
+    schema: SchemaName,
+    floor: Arc<Floor>,
+    rescan: Duration,
+    reconnect_max: Duration,
+    shutdown: CancellationToken,
+) {
+    let session = || async {
+        let client = super::connect(&pg, Duration::from_secs(60))
+            .await
+            .map_err(|e| (false, e))?;
+        let mut tracker = Tracker::new(&schema, rescan);
+        match tracker.prepare(&client).await {
+            Ok(()) => {}
+            // Anything but a missing grant (a lost connection, a server
+            // shutting down) is tried again on a new session.
+            Err(Unusable::Sequence(e))
+                if e.code() != Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
+            {
+                return Err((true, e))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "claim floor off: claims scan fresh rows from the start of the index");
+                shutdown.cancelled().await;
+                return Ok(());
+            }
+        }
+        let mut seen = u64::MAX;
+        loop {
+            let claims = floor.claims.load(Ordering::Relaxed);
+            if claims != seen {
+                seen = claims;
+                match tracker.step(&client, floor.get()).await {
+                    Ok(Some(seq)) => floor.set(seq),
+                    Ok(None) => {}
+                    // The floor in use stays valid without a session.
+                    Err(e) => return Err((true, e)),
+                }
+            }
+            if sleep_or_cancel(TICK, &shutdown).await {
+                return Ok(());
+            }
+        }
+    };
+    supervise(
+        Duration::from_millis(200),
+        reconnect_max,
+        &shutdown,
+        session,
+        |(connected, e): &(bool, tokio_postgres::Error)| {
+            if *connected {
+                tracing::debug!(error = %super::PgError(e), "claim floor session failed; reconnecting");
+            } else {
+                tracing::debug!(error = %super::PgError(e), "claim floor cannot reach postgres");
+            }
+        },
+    )
+    .await;
+}

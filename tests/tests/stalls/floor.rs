@@ -1,0 +1,485 @@
+//! The claim floor under what breaks a queue table: a snapshot held open
+//! elsewhere while rows are deleted (each claim would walk every deleted row),
+//! transactions that commit late while the floor moves, and rows that come
+//! back below the floor (a retried dead letter, a key waiting out a backoff,
+//! a hand-written UPDATE).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_relay::publish::memory::MemoryPublisher;
+use outbox_relay::source::claim::Queries;
+use outbox_relay::source::floor::Tracker;
+use outbox_tests::db::{connect, TestDb};
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
+use rand::{Rng, SeedableRng};
+use tokio_postgres::Client;
+
+use super::PATIENCE;
+
+/// Long enough that no rescan happens during a test: a row the floor passed
+/// by mistake would stay behind it.
+const NO_RESCAN: Duration = Duration::from_secs(3600);
+
+fn message(destination: &str, key: &str, body: String) -> Message {
+    Message::builder(destination)
+        .key(key)
+        .payload(body.into_bytes())
+        .build()
+        .expect("valid")
+}
+
+/// Buffers (hit + read) the relay's claim touches at `floor`, and the seqs
+/// it would take, in a transaction rolled back afterwards.
+async fn claim_cost(client: &Client, queries: &Queries, floor: i64) -> (u64, Vec<i64>) {
+    client
+        .batch_execute("SET plan_cache_mode = force_generic_plan; BEGIN")
+        .await
+        .expect("begin");
+    client
+        .batch_execute(&format!(
+            "PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+            queries.claim_sql()
+        ))
+        .await
+        .expect("prepare");
+    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
+    let args = format!(
+        "500, '{{{}}}'::smallint[], 8388608, 60, {floor}",
+        partitions.join(",")
+    );
+    let plan: serde_json::Value = client
+        .query_one(
+            &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({args})"),
+            &[],
+        )
+        .await
+        .expect("explain")
+        .get(0);
+    let top = &plan[0]["Plan"];
+    let buffers = top["Shared Hit Blocks"].as_u64().expect("hit blocks")
+        + top["Shared Read Blocks"].as_u64().expect("read blocks");
+    client.batch_execute("ROLLBACK").await.expect("rollback");
+    client.batch_execute("BEGIN").await.expect("begin");
+    let seqs = client
+        .query(&format!("EXECUTE claim({args})"), &[])
+        .await
+        .expect("claim")
+        .iter()
+        .map(|r| r.get::<_, i64>("seq"))
+        .collect();
+    client
+        .batch_execute("ROLLBACK; DEALLOCATE claim")
+        .await
+        .expect("rollback");
+    (buffers, seqs)
+}
+
+/// Steps a tracker until it moves the floor (two steps when nothing else
+/// writes to the outbox).
+async fn settle_floor(client: &Client, tracker: &mut Tracker, current: i64) -> i64 {
+    for _ in 0..50 {
+        if let Some(seq) = tracker.step(client, current).await.expect("step") {
+            return seq;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the floor did not move in 50 steps with no writer running");
+}
+
+/// A REPEATABLE READ snapshot held open on another connection (a report,
+/// pg_dump) keeps 19,000 deleted rows from being marked dead. Without a
+/// floor, the claim visits each of them; with the floor, it reads about what
+/// it takes. With the floor at 0 (the relay before it) the first assertion
+/// fails: the claim touched 5,000+ buffers against about 150.
+#[tokio::test]
+async fn a_pinned_snapshot_does_not_make_claims_walk_deleted_rows() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let outbox = db.outbox();
+    let rows: Vec<Message> = (0..20_000)
+        .map(|i| message("x", &format!("k{}", i % 100), "p".repeat(1024 + i % 7)))
+        .collect();
+    for chunk in rows.chunks(1000) {
+        outbox
+            .enqueue_batch(&db.client, chunk)
+            .await
+            .expect("enqueue");
+    }
+    let pin = connect(&db.config).await;
+    pin.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .await
+        .expect("pin a snapshot");
+    db.client
+        .batch_execute(&format!(
+            "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT 19000)",
+            t = db.table()
+        ))
+        .await
+        .expect("delete the published rows");
+
+    let queries = Queries::new(&db.schema, true, false);
+    let mut tracker = Tracker::new(&db.schema, NO_RESCAN);
+    tracker.prepare(&db.client).await.expect("floor usable");
+    let floor = settle_floor(&db.client, &mut tracker, 0).await;
+    let first_left: i64 = db
+        .client
+        .query_one(&format!("SELECT min(seq) FROM {}", db.table()), &[])
+        .await
+        .expect("min")
+        .get(0);
+    assert_eq!(floor, first_left, "the floor is the oldest row left");
+
+    let (walked, unfloored) = claim_cost(&db.client, &queries, 0).await;
+    let (floored_cost, floored) = claim_cost(&db.client, &queries, floor).await;
+    println!(
+        "claim buffers under a pinned snapshot: {walked} from seq 0, {floored_cost} from the floor"
+    );
+    // 19,000 deleted rows of 1 KiB fill about 2,700 heap pages; a claim that
+    // walks them visits each.
+    assert!(
+        walked > 2_000,
+        "the pinned snapshot did not keep the deleted rows visible to the scan ({walked} buffers)"
+    );
+    assert!(
+        floored_cost * 5 < walked,
+        "with the floor the claim still touched {floored_cost} buffers (without: {walked})"
+    );
+    assert_eq!(floored, unfloored, "the floor changed what the claim takes");
+    assert_eq!(floored.len(), 500);
+    pin.batch_execute("ROLLBACK").await.expect("unpin");
+    db.cleanup().await;
+}
+
+/// Writers commit late while the relay drains and its floor moves: a seeded
+/// mix of transactions that commit at once, hold their rows uncommitted for
+/// up to 1.5 s, or roll back, under a snapshot pinned for the whole run.
+/// Every committed message must go out and no rolled-back one, with no
+/// rescan to rescue a row the floor passed, and the floor must have moved
+/// (else the test proves nothing).
+#[tokio::test]
+async fn late_commits_are_never_passed_by_the_floor() {
+    outbox_tests::init_logging();
+    let seed = outbox_tests::seed();
+    println!("seed {seed}");
+    let db = TestDb::new().await;
+    let pin = connect(&db.config).await;
+    pin.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .await
+        .expect("pin a snapshot");
+    let publisher = MemoryPublisher::new();
+    let settings = outbox_relay::Settings {
+        batch_size: 50,
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, publisher, settings);
+    let floor = relay.floor.clone();
+    let mut writers = Vec::new();
+    for w in 0..8u64 {
+        let config = db.config.clone();
+        let outbox = db.outbox();
+        writers.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (w + 1));
+            let mut client = connect(&config).await;
+            let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+            for t in 0..60 {
+                let tx = client.transaction().await.expect("begin");
+                let n = rng.random_range(1..=4);
+                let batch: Vec<Message> = (0..n)
+                    .map(|i| {
+                        let key = format!("k{}", rng.random_range(0..20));
+                        message("x", &key, format!("w{w}-t{t}-{i}"))
+                    })
+                    .collect();
+                let ids = outbox.enqueue_batch(&tx, &batch).await.expect("enqueue");
+                match rng.random_range(0..10) {
+                    // Late: hold the rows uncommitted while others commit
+                    // and go out, then commit.
+                    0..=2 => {
+                        tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500)))
+                            .await;
+                        tx.commit().await.expect("commit");
+                        committed.extend(ids);
+                    }
+                    3 => {
+                        tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
+                        tx.rollback().await.expect("rollback");
+                        rolled_back.extend(ids);
+                    }
+                    _ => {
+                        tx.commit().await.expect("commit");
+                        committed.extend(ids);
+                        tokio::time::sleep(Duration::from_millis(rng.random_range(0..40))).await;
+                    }
+                }
+            }
+            (committed, rolled_back)
+        }));
+    }
+    let mut highest_floor = 0;
+    let mut committed = HashSet::new();
+    let mut rolled_back = HashSet::new();
+    for writer in writers {
+        while !writer.is_finished() {
+            highest_floor = highest_floor.max(floor.get());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (c, r) = writer.await.expect("writer");
+        committed.extend(c.into_iter().map(|i| i.as_uuid()));
+        rolled_back.extend(r.into_iter().map(|i| i.as_uuid()));
+    }
+    let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
+    let published: HashSet<_> = relay
+        .publisher::<MemoryPublisher>()
+        .published()
+        .iter()
+        .map(|e| e.message_id)
+        .collect();
+    let missing = committed.difference(&published).count();
+    assert!(
+        drained && missing == 0,
+        "seed {seed}: {missing} committed messages never went out ({} rows left); the floor passed a late commit",
+        db.pending().await
+    );
+    assert!(
+        published.is_disjoint(&rolled_back),
+        "seed {seed}: a rolled-back message went out"
+    );
+    assert!(
+        highest_floor > 100,
+        "seed {seed}: the floor never moved (highest {highest_floor}), so nothing was tested"
+    );
+    relay.stop().await;
+    pin.batch_execute("ROLLBACK").await.expect("unpin");
+    db.cleanup().await;
+}
+
+/// Drains `n` messages of other keys so the floor passes everything enqueued
+/// before them, and returns the floor then.
+async fn move_floor_past(db: &TestDb, relay: &InProcessRelay, n: usize) -> i64 {
+    let others: Vec<Message> = (0..n)
+        .map(|i| message("x", &format!("other-{i}"), format!("other-{i}")))
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &others)
+        .await
+        .expect("enqueue");
+    let top: i64 = db
+        .client
+        .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
+        .await
+        .expect("max")
+        .get(0);
+    assert!(
+        eventually(PATIENCE, || async { relay.floor.get() > top }).await,
+        "the floor stayed at {} below {top}",
+        relay.floor.get()
+    );
+    relay.floor.get()
+}
+
+/// A dead letter retried after the floor has passed its seq comes back due
+/// at once, not fresh below the floor, where (with no rescan) the claim
+/// would not look for an hour. Before retries came back due, it stayed in
+/// the outbox until the test gave up.
+#[tokio::test]
+async fn a_dead_letter_retried_below_the_floor_goes_out() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        max_attempts: 1,
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let head = db
+        .outbox()
+        .enqueue(&db.client, &message("x", "k", "head".into()))
+        .await
+        .expect("enqueue");
+    relay.publisher::<MemoryPublisher>().reject(head.as_uuid());
+    assert!(
+        eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
+        "the refused message was not dead-lettered"
+    );
+    let floor = move_floor_past(&db, &relay, 2_000).await;
+    relay.publisher::<MemoryPublisher>().accept(head.as_uuid());
+    let filter = outbox_relay::ops::dead_letters::Filter {
+        id: Some(head.as_uuid()),
+        ..Default::default()
+    };
+    let moved = outbox_relay::ops::dead_letters::retry(&db.client, &db.schema, &filter)
+        .await
+        .expect("retry");
+    assert_eq!(moved, 1);
+    assert!(
+        eventually(PATIENCE, || async {
+            relay
+                .publisher::<MemoryPublisher>()
+                .published()
+                .iter()
+                .any(|e| e.message_id == head.as_uuid())
+        })
+        .await,
+        "the retried message (below the floor at {floor}) never went out"
+    );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
+/// A key's head waits out a backoff while thousands of other messages go
+/// out and the floor passes it and the rows set aside behind it. A message
+/// of that key committed afterwards, above the floor, must still wait for
+/// them: the head-of-key probe looks below the floor for waiting rows.
+/// Without that second probe the new message went out first.
+#[tokio::test]
+async fn a_key_waiting_below_the_floor_still_holds_back_its_new_rows() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        max_attempts: 1_000,
+        // The head stays in backoff for the whole test.
+        retry_base: Duration::from_secs(3600),
+        retry_max: Duration::from_secs(3600),
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let outbox = db.outbox();
+    let head = outbox
+        .enqueue(&db.client, &message("x", "hot", "hot-0".into()))
+        .await
+        .expect("enqueue");
+    relay.publisher::<MemoryPublisher>().reject(head.as_uuid());
+    // Refused alone first, so the rows behind it are never in its batch.
+    assert!(
+        eventually(PATIENCE, || async {
+            db.client
+                .query_opt(
+                    &format!(
+                        "SELECT 1 FROM {} WHERE message_id = $1 AND attempts > 0",
+                        db.table()
+                    ),
+                    &[&head.as_uuid()],
+                )
+                .await
+                .expect("query")
+                .is_some()
+        })
+        .await,
+        "the head was never refused"
+    );
+    let behind: Vec<Message> = (1..=5)
+        .map(|i| message("x", "hot", format!("hot-{i}")))
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &behind)
+        .await
+        .expect("enqueue");
+    let floor = move_floor_past(&db, &relay, 2_000).await;
+    outbox
+        .enqueue(&db.client, &message("x", "hot", "hot-6".into()))
+        .await
+        .expect("enqueue");
+    // Let the relay see the new row while the head is still refused.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let hot = |relay: &InProcessRelay| -> Vec<String> {
+        relay
+            .publisher::<MemoryPublisher>()
+            .published()
+            .iter()
+            .filter(|e| e.ordering_key.as_deref() == Some("hot"))
+            .map(|e| String::from_utf8_lossy(&e.payload).into_owned())
+            .collect()
+    };
+    assert!(
+        hot(&relay).is_empty(),
+        "messages of the blocked key went out before its head (floor {floor}): {:?}",
+        hot(&relay)
+    );
+    // The backoff cut short for the key's rows, which were set aside until
+    // the head's next attempt.
+    relay.publisher::<MemoryPublisher>().accept(head.as_uuid());
+    db.client
+        .execute(
+            &format!(
+                "UPDATE {} SET next_attempt_at = now() \
+                 WHERE ordering_key = 'hot' AND next_attempt_at > now()",
+                db.table()
+            ),
+            &[],
+        )
+        .await
+        .expect("bring the key forward");
+    assert!(
+        eventually(PATIENCE, || async { hot(&relay).len() == 7 }).await,
+        "the hot key did not drain: {:?}",
+        hot(&relay)
+    );
+    let expected: Vec<String> = (0..=6).map(|i| format!("hot-{i}")).collect();
+    assert_eq!(hot(&relay), expected, "the hot key went out of order");
+    relay.stop().await;
+    db.cleanup().await;
+}
+
+/// A row put fresh below the floor by something other than the relay (here
+/// a hand-written INSERT with an old seq) is found by the next rescan.
+#[tokio::test]
+async fn a_row_put_below_the_floor_by_hand_is_found_by_the_rescan() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        claim_floor_rescan: Some(Duration::from_secs(1)),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let floor = move_floor_past(&db, &relay, 2_000).await;
+    let id = uuid::Uuid::now_v7();
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO {} (seq, message_id, destination, payload) OVERRIDING SYSTEM VALUE \
+                 VALUES (1, $1, 'x', 'by hand')",
+                db.table()
+            ),
+            &[&id],
+        )
+        .await
+        .expect("insert below the floor");
+    assert!(
+        eventually(PATIENCE, || async {
+            relay
+                .publisher::<MemoryPublisher>()
+                .published()
+                .iter()
+                .any(|e| e.message_id == id)
+        })
+        .await,
+        "a row at seq 1, below the floor at {floor}, was never found"
+    );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
+/// A sequence that hands out values in blocks would let a session commit a
+/// seq the floor has passed; the floor refuses it and says why.
+#[tokio::test]
+async fn the_floor_refuses_a_cached_sequence() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE {} ALTER COLUMN seq SET CACHE 20",
+            db.table()
+        ))
+        .await
+        .expect("cache the sequence");
+    let mut tracker = Tracker::new(&db.schema, NO_RESCAN);
+    let refused = tracker.prepare(&db.client).await.expect_err("refused");
+    assert!(
+        refused.to_string().contains("CACHE 1"),
+        "unexpected: {refused}"
+    );
+    db.cleanup().await;
+}
