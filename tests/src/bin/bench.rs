@@ -621,7 +621,11 @@ where
         .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
         .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
         .env("OUTBOX_SCHEMA", db.schema.as_str())
-        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        // The bench's own OUTBOX_HTTP_ADDR ("off", say) passes through.
+        .env(
+            "OUTBOX_HTTP_ADDR",
+            std::env::var("OUTBOX_HTTP_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into()),
+        )
         .env("OUTBOX_LOG", "warn")
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -788,7 +792,7 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
                 broker: String::new(),
                 ..*args
             };
-            fill_outbox_to(&db, "", &queue, &fill).await?;
+            fill_outbox_to(&db, "amq.default", &queue, &fill).await?;
             let mut env = Vec::new();
             if !floor_on {
                 env.push(("OUTBOX_CLAIM_FLOOR_RESCAN", "0s"));
