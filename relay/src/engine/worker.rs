@@ -249,7 +249,9 @@ impl<P: Publisher> Worker<P> {
             .claim(&tx, prepared, &limits, &partitions, self.floor.get())
             .await?;
         drop(claiming);
-        self.floor.note_claim();
+        if !claimed.batch.is_empty() || claimed.blocked > 0 {
+            self.floor.note_claim();
+        }
         let holds = claimed.holds;
         let behind = claimed.blocked > holds.len();
         let batch = hooks::claimed(claimed.batch);

@@ -66,7 +66,8 @@ impl Floor {
         self.seq.load(Ordering::Relaxed)
     }
 
-    /// Counts a claim, so the floor moves only while there is work.
+    /// Counts a claim that took rows, so the floor moves only while there
+    /// is work (and once per rescan interval while idle).
     pub fn note_claim(&self) {
         self.claims.fetch_add(1, Ordering::Relaxed);
     }
@@ -167,6 +168,11 @@ impl Tracker {
         }
     }
 
+    /// Whether the next floor computed must start from seq 0.
+    pub fn rescan_due(&self) -> bool {
+        self.last_full.is_none_or(|at| at.elapsed() >= self.rescan)
+    }
+
     /// Prepares the tracker's statements on `client`, the connection every
     /// [`Tracker::step`] must then use. Refuses an outbox whose sequence
     /// makes the floor unsafe, or that the relay cannot read.
@@ -216,7 +222,7 @@ impl Tracker {
             let (writers, two_phase) = writers_now(client, prepared).await?;
             let ended = !two_phase && !writers.iter().any(|w| candidate.writers.contains(w));
             if ended {
-                let full = self.last_full.is_none_or(|at| at.elapsed() >= self.rescan);
+                let full = self.rescan_due();
                 let from = if full { 0 } else { current };
                 let row = client
                     .query_one(&prepared.lowest_fresh, &[&from, &candidate.upto])
@@ -249,7 +255,8 @@ async fn writers_now(
     Ok((row.get(0), row.get(1)))
 }
 
-/// Keeps `floor` moving while claims run, until `shutdown`. When the floor
+/// Keeps `floor` moving while claims take rows, and recomputes it from seq 0
+/// every rescan interval even while idle, until `shutdown`. When the floor
 /// cannot be used it stays at 0, said once. While Postgres is lost it keeps
 /// its last value, which stays true.
 pub async fn run(
@@ -283,7 +290,7 @@ pub async fn run(
         let mut seen = u64::MAX;
         loop {
             let claims = floor.claims.load(Ordering::Relaxed);
-            if claims != seen {
+            if claims != seen || tracker.rescan_due() {
                 seen = claims;
                 match tracker.step(&client, floor.get()).await {
                     Ok(Some(seq)) => floor.set(seq),

@@ -9,7 +9,9 @@
 //!   the same INSERT into the plain table). Runs alternate; each figure is
 //!   the median of the rounds, as a ratio to the plain table.
 //!
-//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka]`
+//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]`
+//! (`--pin` holds a REPEATABLE READ snapshot open for the whole run, as a
+//! long report or pg_dump would)
 //!   runs the release relay (`cargo build --release -p outbox-relay`) with
 //!   default settings, writes at each fixed rate (default 1,000 and 5,000
 //!   msg/s, one 1 KiB message per transaction from 16 connections), and
@@ -61,17 +63,19 @@ async fn main() -> anyhow::Result<()> {
             }
             let broker = arg("--broker", "amqp".to_owned());
             let notify = arg("--notify", "off".to_owned()) == "on";
+            let pin = std::env::args().any(|a| a == "--pin");
             latency(
                 &rates,
                 arg("--seconds", 20),
                 arg("--keys", 10_000),
                 notify,
                 &broker,
+                pin,
             )
             .await
         }
         _ => {
-            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka]");
+            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]");
             std::process::exit(2);
         }
     }
@@ -367,10 +371,18 @@ async fn latency(
     keys: usize,
     notify: bool,
     broker: &str,
+    pin: bool,
 ) -> anyhow::Result<()> {
     let bin = release_relay_binary()?;
     let db = TestDb::new().await;
     outbox_client::set_notify(&db.client, db.schema.as_str(), notify).await?;
+    let pinned = outbox_tests::db::connect(&db.config).await;
+    if pin {
+        pinned
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+            .await?;
+        println!("a REPEATABLE READ snapshot is held open for the whole run");
+    }
     // Commit instants by sequence number, and (sequence, receipt) pairs.
     let commits: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(Vec::new()));
     let receipts: Arc<Mutex<Vec<(usize, Instant)>>> = Arc::new(Mutex::new(Vec::new()));
