@@ -7,6 +7,7 @@
 pub mod amqp;
 pub mod cgroup;
 pub mod check;
+pub mod claim;
 pub mod db;
 pub mod idempotency;
 pub mod kafka;

@@ -268,9 +268,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let session = || async {
-        let client = super::connect(&pg, Duration::from_secs(60))
-            .await
-            .map_err(|e| (false, e))?;
+        let client = super::connect(&pg, Duration::from_secs(60)).await?;
         let mut tracker = Tracker::new(&schema, rescan);
         match tracker.prepare(&client).await {
             Ok(()) => {}
@@ -279,7 +277,7 @@ pub async fn run(
             Err(Unusable::Sequence(e))
                 if e.code() != Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
             {
-                return Err((true, e))
+                return Err(e)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "claim floor off: claims scan fresh rows from the start of the index");
@@ -296,7 +294,7 @@ pub async fn run(
                     Ok(Some(seq)) => floor.set(seq),
                     Ok(None) => {}
                     // The floor in use stays valid without a session.
-                    Err(e) => return Err((true, e)),
+                    Err(e) => return Err(e),
                 }
             }
             if sleep_or_cancel(TICK, &shutdown).await {
@@ -309,12 +307,9 @@ pub async fn run(
         reconnect_max,
         &shutdown,
         session,
-        |(connected, e): &(bool, tokio_postgres::Error)| {
-            if *connected {
-                tracing::debug!(error = %super::PgError(e), "claim floor session failed; reconnecting");
-            } else {
-                tracing::debug!(error = %super::PgError(e), "claim floor cannot reach postgres");
-            }
+        // Quiet: the workers report Postgres; the floor only waits for it.
+        |e: &tokio_postgres::Error| {
+            tracing::debug!(error = %super::PgError(e), "claim floor session ended; reconnecting")
         },
     )
     .await;

@@ -669,59 +669,6 @@ where
     })
 }
 
-/// The relay's claim as Postgres runs it at `floor` (generic plan, as the
-/// relay's sessions plan it), in a transaction rolled back afterwards: its
-/// execution time and buffers touched.
-async fn explain_claim(
-    config: &tokio_postgres::Config,
-    schema: &outbox_client::SchemaName,
-    floor: i64,
-) -> anyhow::Result<(f64, u64)> {
-    let client = outbox_tests::db::connect(config).await;
-    let queries = outbox_relay::source::claim::Queries::new(schema, true, false);
-    client
-        .batch_execute(&format!(
-            "SET plan_cache_mode = force_generic_plan; BEGIN; \
-             PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
-            queries.claim_sql()
-        ))
-        .await?;
-    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
-    let plan: serde_json::Value = client
-        .query_one(
-            &format!(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim(500, '{{{}}}', 8388608, 60, {floor})",
-                partitions.join(",")
-            ),
-            &[],
-        )
-        .await?
-        .get(0);
-    client.batch_execute("ROLLBACK").await?;
-    let top = &plan[0]["Plan"];
-    let ms = plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN);
-    let buffers = top["Shared Hit Blocks"].as_u64().unwrap_or(0)
-        + top["Shared Read Blocks"].as_u64().unwrap_or(0);
-    Ok((ms, buffers))
-}
-
-/// The claim floor as the relay computes it, from a tracker of our own.
-async fn current_floor(
-    config: &tokio_postgres::Config,
-    schema: &outbox_client::SchemaName,
-) -> anyhow::Result<i64> {
-    let client = outbox_tests::db::connect(config).await;
-    let mut tracker = outbox_relay::source::floor::Tracker::new(schema, Duration::from_secs(3600));
-    tracker.prepare(&client).await?;
-    for _ in 0..100 {
-        if let Some(floor) = tracker.step(&client, 0).await? {
-            return Ok(floor);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("the floor did not settle in 5 s")
-}
-
 /// Drains backlogs of each size to one queue on the default exchange with
 /// the release relay process: with no other session, with a REPEATABLE READ
 /// snapshot held open from before the backlog was written to the end of the
@@ -806,9 +753,13 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
                         return;
                     }
                     let text = async {
-                        let floor = current_floor(&config, &schema).await?;
-                        let (ms0, b0) = explain_claim(&config, &schema, 0).await?;
-                        let (ms, b) = explain_claim(&config, &schema, floor).await?;
+                        let client = outbox_tests::db::connect(&config).await;
+                        let floor = outbox_tests::claim::floor(&client, &schema).await?;
+                        let (walk, _) = outbox_tests::claim::run_claim(&client, &schema, 0).await?;
+                        let (ms0, b0) = (walk.ms, walk.buffers);
+                        let (from, _) =
+                            outbox_tests::claim::run_claim(&client, &schema, floor).await?;
+                        let (ms, b) = (from.ms, from.buffers);
                         anyhow::Ok(format!(
                             "halfway through the pinned drain of {size}: the claim from seq 0 ran {ms0:.1} ms touching {b0} buffers; from the floor ({floor}) {ms:.1} ms, {b} buffers"
                         ))

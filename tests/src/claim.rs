@@ -1,0 +1,89 @@
+//! The relay's claim as Postgres runs it, for tests and benchmarks that
+//! look at its cost, and the claim floor as the relay would compute it.
+
+use std::time::Duration;
+
+use outbox_client::SchemaName;
+use outbox_relay::source::claim::Queries;
+use outbox_relay::source::floor::Tracker;
+use tokio_postgres::Client;
+
+/// What one claim cost.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimCost {
+    /// Execution time, ms.
+    pub ms: f64,
+    /// Shared buffers touched (hit + read), the claim's subplans included.
+    pub buffers: u64,
+}
+
+/// The claim's arguments: 500 rows, all 64 partitions, 8 MiB, 60 s park
+/// recheck, from `floor`.
+fn args(floor: i64) -> String {
+    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
+    format!(
+        "500, '{{{}}}'::smallint[], 8388608, 60, {floor}",
+        partitions.join(",")
+    )
+}
+
+/// Runs the relay's claim for `schema` at `floor` on `client` (generic
+/// plan, as the relay's sessions plan it) in a transaction rolled back
+/// afterwards: what it cost under EXPLAIN ANALYZE, and the seqs it takes.
+pub async fn run_claim(
+    client: &Client,
+    schema: &SchemaName,
+    floor: i64,
+) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
+    let queries = Queries::new(schema, true, false);
+    client
+        .batch_execute(&format!(
+            "SET plan_cache_mode = force_generic_plan; BEGIN; \
+             PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+            queries.claim_sql()
+        ))
+        .await?;
+    let plan: serde_json::Value = client
+        .query_one(
+            &format!(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({})",
+                args(floor)
+            ),
+            &[],
+        )
+        .await?
+        .get(0);
+    client.batch_execute("ROLLBACK; BEGIN").await?;
+    let seqs = client
+        .query(&format!("EXECUTE claim({})", args(floor)), &[])
+        .await?
+        .iter()
+        .map(|r| r.get::<_, i64>("seq"))
+        .collect();
+    client.batch_execute("ROLLBACK; DEALLOCATE claim").await?;
+    let top = &plan[0]["Plan"];
+    let blocks = |k: &str| {
+        top[k]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("no {k} in the plan"))
+    };
+    let cost = ClaimCost {
+        ms: plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN),
+        buffers: blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?,
+    };
+    Ok((cost, seqs))
+}
+
+/// The claim floor for `schema`, computed by a tracker of the caller's on
+/// `client` (a fresh computation, from seq 0).
+pub async fn floor(client: &Client, schema: &SchemaName) -> anyhow::Result<i64> {
+    let mut tracker = Tracker::new(schema, Duration::from_secs(3600));
+    tracker.prepare(client).await?;
+    for _ in 0..100 {
+        if let Some(floor) = tracker.step(client, 0).await? {
+            return Ok(floor);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("the floor did not move in 100 steps")
+}
