@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::publish::PublishError;
 use crate::source;
+use crate::source::store::StoreError;
 
 /// Counters and states of one replica, shared by its tasks.
 #[derive(Debug, Default)]
@@ -123,7 +124,7 @@ impl Stats {
 
     /// Records whether a worker reached Postgres; like the broker, one log
     /// line per change (after the first connection), not one per worker.
-    pub(crate) fn note_postgres(&self, worker: usize, error: Option<&tokio_postgres::Error>) {
+    pub(crate) fn note_postgres(&self, worker: usize, error: Option<&StoreError>) {
         match error {
             None => {
                 if !self.postgres_up.swap(true, Ordering::Relaxed)
@@ -135,9 +136,9 @@ impl Stats {
             Some(e) => {
                 if self.postgres_up.swap(false, Ordering::Relaxed) {
                     self.postgres_lost.store(true, Ordering::Relaxed);
-                    tracing::warn!(worker, error = %source::PgError(e), "lost postgres; reconnecting");
+                    tracing::warn!(worker, error = %e, "lost postgres; reconnecting");
                 } else {
-                    tracing::debug!(worker, error = %source::PgError(e), "postgres still unreachable");
+                    tracing::debug!(worker, error = %e, "postgres still unreachable");
                 }
             }
         }

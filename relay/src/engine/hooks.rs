@@ -7,6 +7,7 @@ use super::worker::{BatchEnd, BatchError, Worker};
 use crate::envelope::Envelope;
 use crate::health::Event;
 use crate::publish::Publisher;
+use crate::source::store::{BatchTx, Store};
 
 /// The claimed batch, as the watermark mutant would cut it.
 pub(super) fn claimed(batch: Vec<Envelope>) -> Vec<Envelope> {
@@ -30,16 +31,16 @@ pub(super) fn after_ack() {
     crate::mutants::after_ack();
 }
 
-impl<P: Publisher> Worker<P> {
+impl<P: Publisher, S: Store> Worker<P, S> {
     /// The ack-before-confirm mutant: deletes and commits, then publishes and
     /// ignores the answer. Only ever called when that mutant is selected.
     pub(super) async fn settle_before_confirm(
         &self,
-        tx: tokio_postgres::Transaction<'_>,
+        mut tx: impl BatchTx,
         batch: &[Envelope],
     ) -> Result<BatchEnd, BatchError> {
         let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
-        self.queries.delete(&tx, &seqs).await?;
+        tx.delete(&seqs).await?;
         tx.commit().await?;
         let _ = publish_in_waves(self.publisher.as_ref(), batch).await;
         self.stats.count(Event::Published, seqs.len() as u64);

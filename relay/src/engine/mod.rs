@@ -23,7 +23,8 @@ use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::Queries;
 use crate::source::floor::{self, Floor};
-use crate::source::ownership::{self, OwnershipSettings};
+use crate::source::ownership::{self, Owned, OwnershipSettings};
+use crate::source::store::{PgStore, Store};
 use crate::source::{self, listener, retention, Database};
 use crate::Error;
 
@@ -31,6 +32,8 @@ mod hooks;
 mod idle;
 mod plan;
 mod record;
+#[cfg(test)]
+mod tests;
 mod worker;
 
 use idle::Idle;
@@ -215,27 +218,21 @@ impl<P: Publisher> Relay<P> {
                 shutdown.clone(),
             ));
         }
-        let pipeline = self.settings.pipeline.max(1);
-        let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
-        let payload_budget_kib = self.payload_budget_kib();
-        let payload_budget = Arc::new(tokio::sync::Semaphore::new(payload_budget_kib as usize));
-        for id in 0..=pipeline {
-            let worker = Worker {
-                idle: idle.clone(),
-                floor: Arc::clone(&floor),
-                in_flight: Arc::clone(&in_flight),
-                payload_budget: Arc::clone(&payload_budget),
-                payload_budget_kib,
-                id,
-                owned: owned.clone(),
-                pg: self.pg.clone(),
-                queries: queries.clone(),
-                publisher: Arc::clone(&self.publisher),
-                settings: self.settings.clone(),
-                stats: Arc::clone(&self.stats),
-            };
-            tracker.spawn(worker.run(shutdown.clone()));
-        }
+        let store = Arc::new(PgStore::new(
+            self.pg.clone(),
+            queries.clone(),
+            self.settings.hold_limit,
+        ));
+        let workers = Workers {
+            store,
+            publisher: Arc::clone(&self.publisher),
+            settings: self.settings.clone(),
+            stats: Arc::clone(&self.stats),
+            floor,
+            idle,
+            owned,
+        };
+        workers.spawn(&tracker, &shutdown);
         tracing::info!(schema = %self.schema, pipeline = self.settings.pipeline, batch_size = self.settings.batch_size, "relay running");
         tracker.close();
         tracker.wait().await;
@@ -245,16 +242,6 @@ impl<P: Publisher> Relay<P> {
             "relay stopped"
         );
         Ok(())
-    }
-
-    /// The shared payload budget in KiB: one batch's byte limit per worker.
-    fn payload_budget_kib(&self) -> u32 {
-        let workers = self.settings.pipeline.max(1) as i64 + 1;
-        let kib = self.settings.batch_max_bytes.max(1).saturating_mul(workers) / 1024;
-        // tokio's semaphore holds at most usize::MAX >> 3 permits.
-        u32::try_from(kib)
-            .unwrap_or(u32::MAX >> 4)
-            .clamp(1, u32::MAX >> 4)
     }
 
     /// Waits for Postgres to answer, then fails fast if the outbox is missing.
@@ -298,6 +285,55 @@ impl<P: Publisher> Relay<P> {
             }
         }
     }
+}
+
+/// The worker side of a relay: `pipeline + 1` workers sharing a store, a
+/// publisher and their hand-offs. [`Relay::run`] starts them over Postgres;
+/// the loop's tests start them over memory.
+struct Workers<P: Publisher, S: Store> {
+    store: Arc<S>,
+    publisher: Arc<P>,
+    settings: Settings,
+    stats: Arc<Stats>,
+    floor: Arc<Floor>,
+    idle: Idle,
+    owned: Owned,
+}
+
+impl<P: Publisher, S: Store> Workers<P, S> {
+    /// Spawns every worker on `tracker`; each runs until `shutdown`.
+    fn spawn(self, tracker: &TaskTracker, shutdown: &CancellationToken) {
+        let pipeline = self.settings.pipeline.max(1);
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
+        let payload_budget_kib = payload_budget_kib(&self.settings);
+        let payload_budget = Arc::new(tokio::sync::Semaphore::new(payload_budget_kib as usize));
+        for id in 0..=pipeline {
+            let worker = Worker {
+                idle: self.idle.clone(),
+                floor: Arc::clone(&self.floor),
+                in_flight: Arc::clone(&in_flight),
+                payload_budget: Arc::clone(&payload_budget),
+                payload_budget_kib,
+                id,
+                owned: self.owned.clone(),
+                store: Arc::clone(&self.store),
+                publisher: Arc::clone(&self.publisher),
+                settings: self.settings.clone(),
+                stats: Arc::clone(&self.stats),
+            };
+            tracker.spawn(worker.run(shutdown.clone()));
+        }
+    }
+}
+
+/// The shared payload budget in KiB: one batch's byte limit per worker.
+fn payload_budget_kib(settings: &Settings) -> u32 {
+    let workers = settings.pipeline.max(1) as i64 + 1;
+    let kib = settings.batch_max_bytes.max(1).saturating_mul(workers) / 1024;
+    // tokio's semaphore holds at most usize::MAX >> 3 permits.
+    u32::try_from(kib)
+        .unwrap_or(u32::MAX >> 4)
+        .clamp(1, u32::MAX >> 4)
 }
 
 /// Checks the broker every 2 s so readiness reflects an outage even while no

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::Client;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::hooks;
@@ -15,20 +15,20 @@ use super::Settings;
 use crate::backoff::Backoff;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
-use crate::source::claim::{ClaimLimits, Prepared, Queries};
+use crate::source::claim::ClaimLimits;
 use crate::source::floor::Floor;
 use crate::source::ownership::Owned;
-use crate::source::{self, Database};
+use crate::source::store::{BatchTx, OpenError, Session, Settle, Store, StoreError};
 use crate::supervise::{sleep_or_cancel, supervise};
 
-pub(super) struct Worker<P: Publisher> {
+pub(super) struct Worker<P: Publisher, S: Store> {
     pub(super) id: usize,
     pub(super) idle: Idle,
     /// Where the claim's scan of fresh rows starts.
     pub(super) floor: Arc<Floor>,
     pub(super) owned: Owned,
-    pub(super) pg: Database,
-    pub(super) queries: Queries,
+    /// Where the rows are claimed and settled.
+    pub(super) store: Arc<S>,
     pub(super) publisher: Arc<P>,
     pub(super) settings: Settings,
     pub(super) stats: Arc<Stats>,
@@ -64,8 +64,8 @@ pub(super) enum BatchEnd {
 
 #[derive(Debug, thiserror::Error)]
 pub(super) enum BatchError {
-    #[error("postgres: {}", source::PgError(.0))]
-    Postgres(tokio_postgres::Error),
+    #[error("postgres: {0}")]
+    Postgres(#[from] StoreError),
     #[error("broker: {0}")]
     Publish(#[from] crate::publish::PublishError),
 }
@@ -73,22 +73,16 @@ pub(super) enum BatchError {
 /// How a worker's Postgres session ended.
 enum SessionEnd {
     /// It could not connect.
-    Connect(tokio_postgres::Error),
+    Connect(StoreError),
     /// It could not prepare the batch's statements.
-    Prepare(tokio_postgres::Error),
+    Prepare(StoreError),
     /// The connection was lost mid-batch.
-    Lost(tokio_postgres::Error),
+    Lost(StoreError),
     /// A statement failed on a live connection.
-    Failed(tokio_postgres::Error),
+    Failed(StoreError),
 }
 
-impl From<tokio_postgres::Error> for BatchError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        BatchError::Postgres(e)
-    }
-}
-
-impl<P: Publisher> Worker<P> {
+impl<P: Publisher, S: Store> Worker<P, S> {
     /// Runs Postgres sessions until `shutdown`: each connects, prepares the
     /// statements and runs batches until the session fails; [`supervise`]
     /// retries it with backoff.
@@ -108,13 +102,13 @@ impl<P: Publisher> Worker<P> {
             |end: &SessionEnd| match end {
                 SessionEnd::Connect(e) | SessionEnd::Lost(e) => stats.note_postgres(id, Some(e)),
                 SessionEnd::Prepare(e) => {
-                    tracing::warn!(worker = id, error = %source::PgError(e), "cannot prepare the claim; retrying")
+                    tracing::warn!(worker = id, error = %e, "cannot prepare the claim; retrying")
                 }
                 // A fresh session re-prepares the statements: one whose
                 // cached plan went stale (a column changed type under it)
                 // would fail the same way on every batch.
                 SessionEnd::Failed(e) => {
-                    tracing::warn!(worker = id, error = %source::PgError(e), "postgres error; batch will be retried")
+                    tracing::warn!(worker = id, error = %e, "postgres error; batch will be retried")
                 }
             },
         )
@@ -125,22 +119,15 @@ impl<P: Publisher> Worker<P> {
     /// empties, until shutdown (Ok) or a Postgres error (Err). Broker
     /// failures are waited out here, on the same session.
     async fn session(&mut self, shutdown: &CancellationToken) -> Result<(), SessionEnd> {
-        let mut client = source::connect(&self.pg, self.settings.hold_limit)
-            .await
-            .map_err(SessionEnd::Connect)?;
+        let mut db = self.store.open().await.map_err(|e| match e {
+            OpenError::Connect(e) => SessionEnd::Connect(e),
+            OpenError::Prepare(e) => SessionEnd::Prepare(e),
+        })?;
         self.stats.note_postgres(self.id, None);
-        let prepared = self
-            .queries
-            .prepare(&client)
-            .await
-            .map_err(SessionEnd::Prepare)?;
         let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         let mut idle = Backoff::new(self.settings.poll_min, self.settings.poll_interval);
         while !shutdown.is_cancelled() {
-            match self
-                .batch_until_grace(&mut client, &prepared, shutdown)
-                .await
-            {
+            match self.batch_until_grace(&mut db, shutdown).await {
                 Some(Ok(BatchEnd::Settled { more: true })) => {
                     broker.reset();
                     idle.reset();
@@ -176,7 +163,7 @@ impl<P: Publisher> Worker<P> {
                     }
                 }
                 Some(Err(BatchError::Postgres(e))) => {
-                    return Err(if client.is_closed() {
+                    return Err(if db.is_closed() {
                         SessionEnd::Lost(e)
                     } else {
                         SessionEnd::Failed(e)
@@ -210,44 +197,40 @@ impl<P: Publisher> Worker<P> {
     /// grace period ran out is it dropped (rolling back its transaction).
     async fn batch_until_grace(
         &self,
-        client: &mut Client,
-        prepared: &Prepared,
+        db: &mut S::Session,
         shutdown: &CancellationToken,
     ) -> Option<Result<BatchEnd, BatchError>> {
         let grace = self.settings.shutdown_grace;
         tokio::select! {
             biased;
-            r = self.batch(client, prepared) => Some(r),
+            r = self.batch(db) => Some(r),
             _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => None,
         }
     }
 
-    async fn batch(
-        &self,
-        client: &mut Client,
-        prepared: &Prepared,
-    ) -> Result<BatchEnd, BatchError> {
+    async fn batch(&self, db: &mut S::Session) -> Result<BatchEnd, BatchError> {
         let partitions = Arc::clone(&self.owned.borrow());
         if partitions.is_empty() {
             return Ok(BatchEnd::Empty { behind: false });
         }
-        let tx = client.transaction().await?;
-        let claimed_at = std::time::Instant::now();
-        // Everything from the claim to the settle must end within half the
-        // hold limit: past the full limit Postgres ends the session and
-        // another replica may take the rows. Half leaves margin for the
-        // settle and for the clocks of two machines.
-        let deadline = tokio::time::Instant::from_std(claimed_at) + self.settings.hold_limit / 2;
+        let mut tx = db.begin().await?;
         let limits = ClaimLimits {
             rows: self.settings.batch_size,
             bytes: self.settings.batch_max_bytes,
             park_recheck: self.settings.retry_max,
         };
         let claiming = self.idle.claiming.lock().await;
-        let claimed = self
-            .queries
-            .claim(&tx, prepared, &limits, &partitions, self.floor.get())
-            .await?;
+        // Everything from the claim to the settle must end within half the
+        // hold limit: past the full limit Postgres ends the session and
+        // another replica may take the rows. Half leaves margin for the
+        // settle and for the clocks of two machines. The clock starts when
+        // this claim does, not before the wait for the claim lock: a slow
+        // claim by another worker must not make this batch look stale. (The
+        // wait itself cannot end the session: statement_timeout stops the
+        // other claim at half the hold limit.)
+        let claimed_at = Instant::now();
+        let deadline = claimed_at + self.settings.hold_limit / 2;
+        let claimed = tx.claim(&limits, &partitions, self.floor.get()).await?;
         drop(claiming);
         if !claimed.batch.is_empty() || claimed.blocked > 0 {
             self.floor.note_claim();
@@ -258,7 +241,7 @@ impl<P: Publisher> Worker<P> {
         if batch.is_empty() {
             // Rows set aside behind a blocked head leave the fresh path, so
             // the next claim reaches the other keys at once.
-            let held = self.queries.hold(&tx, &holds).await?;
+            let held = tx.hold(&holds).await?;
             tx.commit().await?;
             return Ok(if held > 0 {
                 BatchEnd::Settled { more: true }
@@ -293,13 +276,13 @@ impl<P: Publisher> Worker<P> {
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
         // stall) may have lost its rows to another replica by now. Publishing
         // them would only make duplicates, so drop the batch.
-        if tokio::time::Instant::now() >= deadline {
+        if Instant::now() >= deadline {
             self.stats.count(Event::StaleBatch, 1);
             tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
             return Ok(BatchEnd::Settled { more: true });
         }
         self.stats.add_in_flight(batch.len() as i64);
-        let publish_started = std::time::Instant::now();
+        let publish_started = Instant::now();
         let published = match tokio::time::timeout_at(
             deadline,
             publish_in_waves(self.publisher.as_ref(), &batch),
@@ -332,12 +315,7 @@ impl<P: Publisher> Worker<P> {
                 metrics::counter!(crate::metrics::BATCH_FAILURES).increment(1);
                 // Recording the reason is a courtesy to operators; if it fails the
                 // rows are released by the rollback all the same.
-                if self
-                    .queries
-                    .note_batch_error(&tx, &seqs, &e.to_string())
-                    .await
-                    .is_ok()
-                {
+                if tx.note_batch_error(&seqs, &e.to_string()).await.is_ok() {
                     tx.commit().await?;
                 }
                 return Err(e.into());
@@ -346,12 +324,13 @@ impl<P: Publisher> Worker<P> {
         hooks::after_ack();
         drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
-        self.queries
-            .settle_published(&tx, prepared, &plan.published)
-            .await?;
-        self.queries.fail(&tx, &plan.failed).await?;
-        self.queries.hold(&tx, &holds).await?;
-        self.queries.dead_letter(&tx, &plan.dead).await?;
+        tx.settle(Settle {
+            published: &plan.published,
+            failed: &plan.failed,
+            holds: &holds,
+            dead: &plan.dead,
+        })
+        .await?;
         tx.commit().await?;
         self.stats
             .count(Event::DeadLettered, plan.dead.len() as u64);

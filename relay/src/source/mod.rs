@@ -6,14 +6,19 @@
 //! - [`database`] holds the connection settings and the TLS policy.
 //! - [`retention`] clears published rows past `--retention`.
 //! - [`floor`] keeps the claim from walking rows deleted under an old snapshot.
+//! - `store` is the boundary the relay loop sees: sessions, batch
+//!   transactions, claim and settle; Postgres behind it, or memory in tests.
 
 pub mod claim;
 pub mod database;
 pub mod floor;
 pub mod inspect;
 pub mod listener;
+#[cfg(test)]
+pub(crate) mod memory;
 pub mod ownership;
 pub mod retention;
+pub(crate) mod store;
 
 use std::time::Duration;
 
