@@ -234,6 +234,16 @@ impl Fixture {
             .len()
     }
 
+    /// Waits up to `within` for at least `n` deliveries; panics naming how
+    /// many came.
+    pub async fn expect_at_least(&self, n: usize, within: std::time::Duration) {
+        assert!(
+            crate::eventually(within, || async { self.count() >= n }).await,
+            "only {} of {n} delivered within {within:?}",
+            self.count()
+        );
+    }
+
     /// Stops consuming and deletes the queue and exchange.
     pub async fn cleanup(self) {
         self.stop.cancel();

@@ -83,15 +83,9 @@ async fn concurrent_writers_every_commit_delivered_in_key_order() {
         "the workload rolls some back"
     );
 
-    assert!(
-        eventually(PATIENCE, || async {
-            rabbit.count() >= written.committed.len()
-        })
-        .await,
-        "only {} of {} delivered",
-        rabbit.count(),
-        written.committed.len()
-    );
+    rabbit
+        .expect_at_least(written.committed.len(), PATIENCE)
+        .await;
     // Give strays (rolled-back rows, duplicates) a moment to show up.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));

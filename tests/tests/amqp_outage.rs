@@ -60,15 +60,9 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
         .await,
         "outbox not drained after the broker came back"
     );
-    assert!(
-        eventually(Duration::from_secs(120), || async {
-            rabbit.count() >= written.committed.len()
-        })
-        .await,
-        "only {} of {} delivered",
-        rabbit.count(),
-        written.committed.len()
-    );
+    rabbit
+        .expect_at_least(written.committed.len(), Duration::from_secs(120))
+        .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
     println!(
@@ -285,15 +279,9 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
         .await,
         "outbox not drained after the alarm cleared"
     );
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            rabbit.count() >= written.committed.len()
-        })
-        .await,
-        "only {} of {} delivered",
-        rabbit.count(),
-        written.committed.len()
-    );
+    rabbit
+        .expect_at_least(written.committed.len(), Duration::from_secs(60))
+        .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let report = check(&written, &seen_amqp(&rabbit.deliveries()));
     outbox_tests::check::record(

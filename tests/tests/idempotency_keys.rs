@@ -43,6 +43,17 @@ async fn count(db: &TestDb, table: &str) -> i64 {
 }
 
 /// Runs a request that writes one effect row and answers 201 with `body`.
+/// The notes of every effect committed to `table`.
+async fn notes(db: &TestDb, table: &str) -> Vec<String> {
+    db.client
+        .query(&format!("SELECT note FROM {table}"), &[])
+        .await
+        .expect("select")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 async fn run_once(
     idempotency: &Idempotency,
     client: &mut tokio_postgres::Client,
@@ -156,14 +167,7 @@ async fn waiter_runs_the_request_when_the_holder_rolls_back() {
         .expect("waiter finished within the ceiling")
         .expect("join");
     assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
-    let notes: Vec<String> = db
-        .client
-        .query(&format!("SELECT note FROM {table}"), &[])
-        .await
-        .expect("select")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let notes = notes(&db, &table).await;
     assert_eq!(notes, ["x"], "only the waiter's effect committed");
     db.cleanup().await;
 }
@@ -203,14 +207,7 @@ async fn a_crashed_process_leaves_no_stuck_key() {
         .when_in_progress(WhenInProgress::Wait(PATIENCE));
     let outcome = run_once(&waiting, &mut other, &table, &k, "x").await;
     assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
-    let notes: Vec<String> = db
-        .client
-        .query(&format!("SELECT note FROM {table}"), &[])
-        .await
-        .expect("select")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let notes = notes(&db, &table).await;
     assert_eq!(notes, ["x"]);
     db.cleanup().await;
 }

@@ -303,7 +303,9 @@ async fn one_hot_key_drains_back_to_back_in_order() {
     enqueue_spread(&store, 50, 10);
     let started = Instant::now();
     let relay = start(settings, store, Broker::default());
-    let drained = relay.until(Duration::from_secs(120), |r| r.store.waiting() == 0).await;
+    let drained = relay
+        .until(Duration::from_secs(120), |r| r.store.waiting() == 0)
+        .await;
     relay.stop().await;
     let took = drained - started;
     eprintln!("hot key drained in {took:?}");
@@ -378,18 +380,16 @@ async fn a_claim_stalled_past_the_deadline_is_dropped_unpublished() {
     assert_key_order(&answered);
 }
 
-#[tokio::test(start_paused = true)]
-async fn shutdown_waits_for_a_slow_broker_up_to_the_grace_and_no_longer() {
-    // A broker that answers within the grace: the batch settles, then the
-    // relay stops.
-    let settings = Settings::default();
-    let store = MemoryStore::default();
+/// Starts a relay, hands it one row for a broker that answers after
+/// `answer_after`, and asks it to stop once the row is claimed; returns how
+/// long the stop took.
+async fn stop_mid_batch(settings: &Settings, answer_after: Duration) -> (Loop, Duration) {
     let broker = Broker::default();
     *broker
         .answer_after
         .lock()
-        .unwrap_or_else(|p| p.into_inner()) = settings.shutdown_grace / 2;
-    let relay = start(settings.clone(), store, broker);
+        .unwrap_or_else(|p| p.into_inner()) = answer_after;
+    let relay = start(settings.clone(), MemoryStore::default(), broker);
     tokio::time::sleep(Duration::from_secs(1)).await;
     relay.store.enqueue("k", 100);
     relay.idle.work.notify_one();
@@ -397,33 +397,28 @@ async fn shutdown_waits_for_a_slow_broker_up_to_the_grace_and_no_longer() {
         .until(Duration::from_secs(1), |r| r.store.locked() == 1)
         .await;
     let took = relay.stop().await;
-    assert!(took <= settings.shutdown_grace / 2 + 10 * MS, "{took:?}");
+    (relay, took)
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_waits_for_a_slow_broker_up_to_the_grace_and_no_longer() {
+    let settings = Settings::default();
+    let grace = settings.shutdown_grace;
+    // A broker that answers within the grace: the batch settles, then the
+    // relay stops.
+    let (relay, took) = stop_mid_batch(&settings, grace / 2).await;
+    assert!(took <= grace / 2 + 10 * MS, "{took:?}");
     assert_eq!(
         relay.store.waiting(),
         0,
         "the batch settled before the stop"
     );
-
     // One that would answer after the grace: the batch is abandoned at the
     // grace, its row back in the outbox, unlocked.
-    let store = MemoryStore::default();
-    let broker = Broker::default();
-    *broker
-        .answer_after
-        .lock()
-        .unwrap_or_else(|p| p.into_inner()) = settings.shutdown_grace * 2;
-    let relay = start(settings.clone(), store, broker);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    relay.store.enqueue("k", 100);
-    relay.idle.work.notify_one();
-    relay
-        .until(Duration::from_secs(1), |r| r.store.locked() == 1)
-        .await;
-    let took = relay.stop().await;
+    let (relay, took) = stop_mid_batch(&settings, grace * 2).await;
     assert!(
-        took >= settings.shutdown_grace && took <= settings.shutdown_grace + 10 * MS,
-        "stopped after {took:?}, grace {:?}",
-        settings.shutdown_grace
+        took >= grace && took <= grace + 10 * MS,
+        "stopped after {took:?}, grace {grace:?}"
     );
     assert_eq!((relay.store.waiting(), relay.store.locked()), (1, 0));
 }

@@ -81,6 +81,29 @@ async fn settle(db: &TestDb, sink: &Sink, written: &Written) -> Report {
     check(written, &sink.seen())
 }
 
+/// [`settle`], then records the scenario's row under `name` and checks it:
+/// nothing lost, nothing unexpected, no more than `bound` duplicates.
+async fn settle_within(
+    db: &TestDb,
+    sink: &Sink,
+    written: &Written,
+    name: &str,
+    started: std::time::Instant,
+    bound: usize,
+) -> Report {
+    let report = settle(db, sink, written).await;
+    outbox_tests::check::record(
+        env!("CARGO_TARGET_TMPDIR"),
+        name,
+        &report,
+        started.elapsed(),
+        Some(bound),
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(report.duplicates <= bound, "{report}");
+    report
+}
+
 fn spawn_writers(db: &TestDb, spec: Spec) -> tokio::task::JoinHandle<Written> {
     let config = db.config.clone();
     let outbox = db.outbox();

@@ -13,7 +13,8 @@ use outbox_tests::workload;
 use rand::Rng;
 
 use super::{
-    env_for, scale, settle, spawn_writers, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN, TMP,
+    env_for, scale, settle, settle_within, spawn_writers, spec, stop, BATCH, PATIENCE, PIPELINE,
+    RELAY_BIN, TMP,
 };
 
 /// Scenario 2: kill -9 at random 200–2000 ms intervals, restarted each time.
@@ -33,17 +34,16 @@ async fn kill_9_at_random_intervals(sink: Sink, messages: usize) {
         relay = RelayProcess::start(RELAY_BIN, &env);
     }
     let written = writers.await.expect("writers");
-    let report = settle(&db, &sink, &written).await;
     let bound = kills * BATCH * (PIPELINE + 1);
-    record(
-        TMP,
+    settle_within(
+        &db,
+        &sink,
+        &written,
         &format!("{}: kill -9 x{kills} at random intervals", sink.broker()),
-        &report,
-        started.elapsed(),
-        Some(bound),
-    );
-    assert!(report.is_clean(), "{report}");
-    assert!(report.duplicates <= bound, "{report}");
+        started,
+        bound,
+    )
+    .await;
     stop(relay).await;
     sink.cleanup().await;
     db.cleanup().await;
@@ -89,17 +89,16 @@ async fn kill_9_with_a_backlog(sink: Sink, messages: usize) {
         kills >= 1,
         "the relay finished before it could be killed; grow the backlog"
     );
-    let report = settle(&db, &sink, &written).await;
     let bound = kills * BATCH * (PIPELINE + 1);
-    record(
-        TMP,
+    settle_within(
+        &db,
+        &sink,
+        &written,
         &format!("{}: kill -9 x{kills} with a backlog", sink.broker()),
-        &report,
-        started.elapsed(),
-        Some(bound),
-    );
-    assert!(report.is_clean(), "{report}");
-    assert!(report.duplicates <= bound, "{report}");
+        started,
+        bound,
+    )
+    .await;
     stop(relay).await;
     sink.cleanup().await;
     db.cleanup().await;

@@ -56,6 +56,16 @@ impl Handler<Delivery> for CountEffect {
     }
 }
 
+/// The next delivery of `deliveries`, waited for up to [`PATIENCE`]; `what`
+/// names it in the panic.
+async fn next_delivery(deliveries: &mut lapin::Consumer, what: &str) -> Delivery {
+    tokio::time::timeout(PATIENCE, deliveries.next())
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within {PATIENCE:?}"))
+        .expect("stream open")
+        .expect("delivery")
+}
+
 /// The same message delivered 10 times at once to 4 consumers, each with its
 /// own broker and database connection: the effect is applied once, every copy
 /// is acked.
@@ -162,11 +172,7 @@ async fn amqp_crash_between_commit_and_ack_is_recognized() {
         let conn = amqp::connection().await;
         let ch = conn.create_channel().await.expect("channel");
         let mut deliveries = consume(&ch, &queue, 1).await;
-        let d = tokio::time::timeout(PATIENCE, deliveries.next())
-            .await
-            .expect("delivery in time")
-            .expect("stream open")
-            .expect("delivery");
+        let d = next_delivery(&mut deliveries, "delivery").await;
         assert!(!d.redelivered);
         let outcome = apply_once(&mut client, &inbox, "counter", &message_id, &d, &handler)
             .await
@@ -180,11 +186,7 @@ async fn amqp_crash_between_commit_and_ack_is_recognized() {
     let conn = amqp::connection().await;
     let ch = conn.create_channel().await.expect("channel");
     let mut deliveries = consume(&ch, &queue, 1).await;
-    let d = tokio::time::timeout(PATIENCE, deliveries.next())
-        .await
-        .expect("redelivery in time")
-        .expect("stream open")
-        .expect("delivery");
+    let d = next_delivery(&mut deliveries, "redelivery").await;
     assert!(d.redelivered, "the broker redelivers the unacked message");
     let consumer = AmqpInbox::new(inbox, "counter").expect("consumer");
     let outcome = consumer
@@ -226,11 +228,7 @@ async fn handler_error_means_redelivery_not_ack() {
     let mut deliveries = consume(&ch, &queue, 1).await;
     let mut results = Vec::new();
     for _ in 0..2 {
-        let d = tokio::time::timeout(PATIENCE, deliveries.next())
-            .await
-            .expect("delivery in time")
-            .expect("stream open")
-            .expect("delivery");
+        let d = next_delivery(&mut deliveries, "delivery").await;
         results.push((
             d.redelivered,
             consumer.handle(&mut client, &d, &handler).await,
@@ -282,11 +280,7 @@ async fn missing_message_id_is_dead_lettered() {
     let conn = amqp::connection().await;
     let ch = conn.create_channel().await.expect("channel");
     let mut deliveries = consume(&ch, &queue, 1).await;
-    let d = tokio::time::timeout(PATIENCE, deliveries.next())
-        .await
-        .expect("delivery in time")
-        .expect("stream open")
-        .expect("delivery");
+    let d = next_delivery(&mut deliveries, "delivery").await;
     let handler = CountEffect::new(&effects);
     let result = consumer.handle(&mut client, &d, &handler).await;
     assert!(matches!(result, Err(ConsumeError::MissingMessageId)));

@@ -13,6 +13,14 @@ use tokio::process::Command;
 use super::{PATIENCE, RELAY_BIN};
 
 /// A plain HTTP/1.0 GET, as a probe or a scraper would send it.
+/// The metrics page, or "" while the endpoint does not answer.
+async fn scrape(port: u16) -> String {
+    get(port, "/metrics")
+        .await
+        .map(|(_, m)| m)
+        .unwrap_or_default()
+}
+
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -91,10 +99,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     let broker_up = |m: &str| sample(m, "outbox_connection_up{target=\"broker\"}");
     assert!(
         eventually(PATIENCE, || async {
-            let m = get(port, "/metrics")
-                .await
-                .map(|(_, m)| m)
-                .unwrap_or_default();
+            let m = scrape(port).await;
             broker_up(&m) == Some(0.0) && get(port, "/readyz").await.is_some_and(|(s, _)| s == 200)
         })
         .await,
@@ -119,10 +124,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     );
     assert!(
         eventually(PATIENCE, || async {
-            let m = get(port, "/metrics")
-                .await
-                .map(|(_, m)| m)
-                .unwrap_or_default();
+            let m = scrape(port).await;
             sample(&m, &backlog_line) == Some(2000.0)
         })
         .await,
@@ -132,10 +134,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     proxy.set(Mode::Pass);
     assert!(
         eventually(PATIENCE, || async {
-            let m = get(port, "/metrics")
-                .await
-                .map(|(_, m)| m)
-                .unwrap_or_default();
+            let m = scrape(port).await;
             broker_up(&m) == Some(1.0)
         })
         .await,
@@ -144,10 +143,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     assert!(eventually(PATIENCE, || async { rabbit.count() >= 2000 }).await);
     let deadline = tokio::time::Instant::now() + PATIENCE;
     let (moved, last) = loop {
-        let m = get(port, "/metrics")
-            .await
-            .map(|(_, m)| m)
-            .unwrap_or_default();
+        let m = scrape(port).await;
         let published = sample(
             &m,
             &format!(
@@ -203,10 +199,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     proxy.set(Mode::Refuse);
     assert!(
         eventually(PATIENCE, || async {
-            let m = get(port, "/metrics")
-                .await
-                .map(|(_, m)| m)
-                .unwrap_or_default();
+            let m = scrape(port).await;
             broker_up(&m) == Some(0.0)
         })
         .await,
@@ -225,10 +218,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     proxy.set(Mode::Pass);
     assert!(
         eventually(PATIENCE, || async {
-            let m = get(port, "/metrics")
-                .await
-                .map(|(_, m)| m)
-                .unwrap_or_default();
+            let m = scrape(port).await;
             broker_up(&m) == Some(1.0)
         })
         .await,
