@@ -206,42 +206,56 @@ impl Tracker {
         Ok(())
     }
 
-    /// One step: when the transactions listed last time have all ended,
-    /// computes a new floor and returns it; then, if no list is pending,
-    /// starts the next one. `current` is the floor in use now.
+    /// One step: [`Tracker::confirm`], then, if no list is pending, starts
+    /// the next one. `current` is the floor in use now.
     pub async fn step(
         &mut self,
         client: &Client,
         current: i64,
     ) -> Result<Option<i64>, tokio_postgres::Error> {
-        let Some(prepared) = &self.prepared else {
-            return Ok(None);
-        };
-        let mut moved = None;
-        if let Some(candidate) = &self.candidate {
-            let (writers, two_phase) = writers_now(client, prepared).await?;
-            let ended = !two_phase && !writers.iter().any(|w| candidate.writers.contains(w));
-            if ended {
-                let full = self.rescan_due();
-                let from = if full { 0 } else { current };
-                let row = client
-                    .query_one(&prepared.lowest_fresh, &[&from, &candidate.upto])
-                    .await?;
-                if full {
-                    self.last_full = Some(Instant::now());
-                }
-                moved = Some(row.get(0));
-                self.candidate = None;
+        let moved = self.confirm(client, current).await?;
+        if self.candidate.is_none() {
+            if let Some(prepared) = &self.prepared {
+                // Order matters: the last value first, then the writers.
+                let row = client.query_one(&prepared.sequence, &[]).await?;
+                let upto: i64 = row.get(1);
+                let (writers, _) = writers_now(client, prepared).await?;
+                self.candidate = Some(Candidate { upto, writers });
             }
         }
-        if self.candidate.is_none() {
-            // Order matters: the last value first, then the writers.
-            let row = client.query_one(&prepared.sequence, &[]).await?;
-            let upto: i64 = row.get(1);
-            let (writers, _) = writers_now(client, prepared).await?;
-            self.candidate = Some(Candidate { upto, writers });
-        }
         Ok(moved)
+    }
+
+    /// Whether a list of writers is waiting for its transactions to end.
+    pub fn pending(&self) -> bool {
+        self.candidate.is_some()
+    }
+
+    /// When the transactions listed last time have all ended, computes the
+    /// new floor and returns it; starts no new list. `current` is the floor
+    /// in use now.
+    pub async fn confirm(
+        &mut self,
+        client: &Client,
+        current: i64,
+    ) -> Result<Option<i64>, tokio_postgres::Error> {
+        let (Some(prepared), Some(candidate)) = (&self.prepared, &self.candidate) else {
+            return Ok(None);
+        };
+        let (writers, two_phase) = writers_now(client, prepared).await?;
+        if two_phase || writers.iter().any(|w| candidate.writers.contains(w)) {
+            return Ok(None);
+        }
+        let full = self.rescan_due();
+        let from = if full { 0 } else { current };
+        let row = client
+            .query_one(&prepared.lowest_fresh, &[&from, &candidate.upto])
+            .await?;
+        if full {
+            self.last_full = Some(Instant::now());
+        }
+        self.candidate = None;
+        Ok(Some(row.get(0)))
     }
 }
 
@@ -287,15 +301,24 @@ pub async fn run(
         }
         let mut seen = u64::MAX;
         loop {
+            // Claims that took rows start a new list of writers; once they
+            // stop, the list pending is still confirmed, so the floor
+            // catches up with the last rows claimed, and then the tracker
+            // rests until claims resume or a rescan is due.
             let claims = floor.claims.load(Ordering::Relaxed);
-            if claims != seen || tracker.rescan_due() {
+            let moved = if claims != seen || tracker.rescan_due() {
                 seen = claims;
-                match tracker.step(&client, floor.get()).await {
-                    Ok(Some(seq)) => floor.set(seq),
-                    Ok(None) => {}
-                    // The floor in use stays valid without a session.
-                    Err(e) => return Err(e),
-                }
+                tracker.step(&client, floor.get()).await
+            } else if tracker.pending() {
+                tracker.confirm(&client, floor.get()).await
+            } else {
+                Ok(None)
+            };
+            match moved {
+                Ok(Some(seq)) => floor.set(seq),
+                Ok(None) => {}
+                // The floor in use stays valid without a session.
+                Err(e) => return Err(e),
             }
             if sleep_or_cancel(TICK, &shutdown).await {
                 return Ok(());
