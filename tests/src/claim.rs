@@ -15,6 +15,8 @@ pub struct ClaimCost {
     pub ms: f64,
     /// Shared buffers touched (hit + read), the claim's subplans included.
     pub buffers: u64,
+    /// Temporary file blocks written (a sort or hash that spilled to disk).
+    pub temp_written: u64,
 }
 
 /// The claim's arguments: 500 rows, all 64 partitions, 8 MiB, 60 s park
@@ -27,51 +29,77 @@ fn args(floor: i64) -> String {
     )
 }
 
-/// Runs the relay's claim for `schema` at `floor` on `client` (generic
-/// plan, as the relay's sessions plan it) in a transaction rolled back
-/// afterwards: what it cost under EXPLAIN ANALYZE, and the seqs it takes.
+/// A session of the relay's own, connected and set up as a worker's is,
+/// with the relay's claim prepared on it: what it runs uses the plan the
+/// relay's would, cached from its first execution as the relay's is.
+pub struct ClaimSession {
+    client: Client,
+}
+
+impl ClaimSession {
+    /// Opens the session and prepares the claim for `schema`.
+    pub async fn open(
+        config: &tokio_postgres::Config,
+        schema: &SchemaName,
+    ) -> anyhow::Result<Self> {
+        let queries = Queries::new(schema, true, false);
+        let client =
+            outbox_relay::source::connect(&config.clone().into(), Duration::from_secs(60)).await?;
+        queries.prepare(&client).await?;
+        client
+            .batch_execute(&format!(
+                "PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+                queries.claim_sql()
+            ))
+            .await?;
+        Ok(ClaimSession { client })
+    }
+
+    /// Runs the claim at `floor` in a transaction rolled back afterwards:
+    /// what it cost under EXPLAIN ANALYZE, and the seqs it takes.
+    pub async fn run(&self, floor: i64) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
+        let client = &self.client;
+        client.batch_execute("BEGIN").await?;
+        let plan: serde_json::Value = client
+            .query_one(
+                &format!(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({})",
+                    args(floor)
+                ),
+                &[],
+            )
+            .await?
+            .get(0);
+        client.batch_execute("ROLLBACK; BEGIN").await?;
+        let seqs = client
+            .query(&format!("EXECUTE claim({})", args(floor)), &[])
+            .await?
+            .iter()
+            .map(|r| r.get::<_, i64>("seq"))
+            .collect();
+        client.batch_execute("ROLLBACK").await?;
+        let top = &plan[0]["Plan"];
+        let blocks = |k: &str| {
+            top[k]
+                .as_u64()
+                .ok_or_else(|| anyhow::anyhow!("no {k} in the plan"))
+        };
+        let cost = ClaimCost {
+            ms: plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN),
+            buffers: blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?,
+            temp_written: blocks("Temp Written Blocks")?,
+        };
+        Ok((cost, seqs))
+    }
+}
+
+/// [`ClaimSession::run`] on a session of its own.
 pub async fn run_claim(
-    client: &Client,
+    config: &tokio_postgres::Config,
     schema: &SchemaName,
     floor: i64,
 ) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
-    let queries = Queries::new(schema, true, false);
-    client
-        .batch_execute(&format!(
-            "SET plan_cache_mode = force_generic_plan; BEGIN; \
-             PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
-            queries.claim_sql()
-        ))
-        .await?;
-    let plan: serde_json::Value = client
-        .query_one(
-            &format!(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({})",
-                args(floor)
-            ),
-            &[],
-        )
-        .await?
-        .get(0);
-    client.batch_execute("ROLLBACK; BEGIN").await?;
-    let seqs = client
-        .query(&format!("EXECUTE claim({})", args(floor)), &[])
-        .await?
-        .iter()
-        .map(|r| r.get::<_, i64>("seq"))
-        .collect();
-    client.batch_execute("ROLLBACK; DEALLOCATE claim").await?;
-    let top = &plan[0]["Plan"];
-    let blocks = |k: &str| {
-        top[k]
-            .as_u64()
-            .ok_or_else(|| anyhow::anyhow!("no {k} in the plan"))
-    };
-    let cost = ClaimCost {
-        ms: plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN),
-        buffers: blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?,
-    };
-    Ok((cost, seqs))
+    ClaimSession::open(config, schema).await?.run(floor).await
 }
 
 /// The claim floor for `schema`, computed by a tracker of the caller's on

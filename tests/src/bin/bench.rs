@@ -755,10 +755,10 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
                     let text = async {
                         let client = outbox_tests::db::connect(&config).await;
                         let floor = outbox_tests::claim::floor(&client, &schema).await?;
-                        let (walk, _) = outbox_tests::claim::run_claim(&client, &schema, 0).await?;
+                        let (walk, _) = outbox_tests::claim::run_claim(&config, &schema, 0).await?;
                         let (ms0, b0) = (walk.ms, walk.buffers);
                         let (from, _) =
-                            outbox_tests::claim::run_claim(&client, &schema, floor).await?;
+                            outbox_tests::claim::run_claim(&config, &schema, floor).await?;
                         let (ms, b) = (from.ms, from.buffers);
                         anyhow::Ok(format!(
                             "halfway through the pinned drain of {size}: the claim from seq 0 ran {ms0:.1} ms touching {b0} buffers; from the floor ({floor}) {ms:.1} ms, {b} buffers"

@@ -71,8 +71,8 @@ async fn a_pinned_snapshot_does_not_make_claims_walk_deleted_rows() {
         .get(0);
     assert_eq!(floor, first_left, "the floor is the oldest row left");
 
-    let (walked, unfloored) = run_claim(&db.client, &db.schema, 0).await.expect("claim");
-    let (floored_cost, floored) = run_claim(&db.client, &db.schema, floor)
+    let (walked, unfloored) = run_claim(&db.config, &db.schema, 0).await.expect("claim");
+    let (floored_cost, floored) = run_claim(&db.config, &db.schema, floor)
         .await
         .expect("claim");
     let (walked, floored_cost) = (walked.buffers, floored_cost.buffers);

@@ -11,6 +11,7 @@ use std::time::Duration;
 mod blocked_head;
 mod floor;
 mod outboxes;
+mod plans;
 mod refused;
 mod returns;
 

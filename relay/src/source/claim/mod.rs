@@ -85,8 +85,22 @@ impl Queries {
         &self.claim
     }
 
-    /// Prepares the per-batch statements on `client`.
+    /// Prepares the per-batch statements on `client`, after setting its
+    /// session up to plan them by index whatever the table's statistics say.
+    ///
+    /// A table never analyzed (`autovacuum = off`, vacuum behind, a table
+    /// just created) looks to the planner as if almost no row were fresh, and
+    /// the generic plan a session makes at its first claim is kept for the
+    /// session's life. Believing the fresh rows few, the planner fetched all
+    /// of them with a bitmap scan and sorted them before taking a batch: the
+    /// claim's cost grew with the backlog, through temporary files. Every
+    /// statement a worker runs is meant to go by index (the claim's ordered
+    /// scans and probes, the settles' lookups by seq), so its session turns
+    /// bitmap and sequential scans off.
     pub async fn prepare(&self, client: &Client) -> Result<Prepared, tokio_postgres::Error> {
+        client
+            .batch_execute("SET enable_bitmapscan = off; SET enable_seqscan = off")
+            .await?;
         let claim = client
             .prepare_typed(
                 &self.claim,

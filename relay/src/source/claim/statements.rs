@@ -17,7 +17,7 @@ impl Queries {
         let pb = format!("{}.published", schema.quoted());
         let pd = format!("{}.paused_destinations", schema.quoted());
         let parked_from = if park {
-            format!("(SELECT min(d.seq) FROM {dl} d WHERE d.ordering_key = k.k)")
+            format!("(SELECT min(d.seq) FROM {dl} d WHERE d.ordering_key = m.ordering_key)")
         } else {
             "NULL::bigint".to_owned()
         };
@@ -33,7 +33,12 @@ impl Queries {
             // The head-of-key probe looks for an older row of the key in two
             // places, for the same reason: at or above the floor, any row;
             // below it, where no fresh row can be, only the rows that wait
-            // (their own index, `messages_waiting_key_seq`).
+            // (their own index, `messages_waiting_key_seq`). It runs once per
+            // key, on the key's newest kept row, and window functions carry
+            // what it found to the key's other rows. No step joins two of
+            // these sets to each other: with no statistics (a table never
+            // analyzed) the planner takes every set for one row, and such a
+            // join ran the probes once per row and key.
             //
             // The columns come from the locking scans themselves. A row another
             // batch settled after this statement's snapshot was taken is
@@ -76,35 +81,43 @@ impl Queries {
                     WINDOW w AS (ORDER BY c.seq) \
                  ), kept AS ( \
                     SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $3) \
-                 ), keys AS ( \
-                    SELECT ordering_key AS k, max(seq) AS top, \
-                           min(seq) FILTER (WHERE paused) AS paused_from FROM kept \
-                    WHERE ordering_key IS NOT NULL GROUP BY 1 \
-                 ), gate AS ( \
-                    SELECT k.k, k.paused_from, b.seq AS gap, b.next_attempt_at AS gap_until, \
-                           {parked_from} AS parked_from \
-                    FROM keys k LEFT JOIN LATERAL ( \
+                 ), keyed AS ( \
+                    SELECT c.*, max(c.seq) OVER k AS top, \
+                           min(c.seq) FILTER (WHERE c.paused) OVER k AS key_paused_from \
+                    FROM kept c WINDOW k AS (PARTITION BY c.ordering_key) \
+                 ), probed AS ( \
+                    SELECT m.*, b.seq AS gap1, b.next_attempt_at AS gap_until1, \
+                           CASE WHEN m.ordering_key IS NOT NULL AND m.seq = m.top \
+                                THEN {parked_from} END AS parked1 \
+                    FROM keyed m LEFT JOIN LATERAL ( \
                         SELECT o.seq, o.next_attempt_at FROM ( \
                             (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                             WHERE p.ordering_key = k.k AND p.seq >= $5 AND p.seq < k.top \
+                             WHERE p.ordering_key = m.ordering_key AND p.seq >= $5 AND p.seq < m.top \
                                AND p.seq NOT IN (SELECT seq FROM kept) \
                              ORDER BY p.seq LIMIT 1) \
                             UNION ALL \
                             (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                             WHERE p.ordering_key = k.k AND p.seq < least($5, k.top) \
+                             WHERE p.ordering_key = m.ordering_key AND p.seq < least($5, m.top) \
                                AND p.next_attempt_at > '-infinity' \
                                AND p.seq NOT IN (SELECT seq FROM kept) \
                              ORDER BY p.seq LIMIT 1)) o \
+                        WHERE m.ordering_key IS NOT NULL AND m.seq = m.top \
                         ORDER BY o.seq LIMIT 1) b ON true \
+                 ), gated AS ( \
+                    SELECT p.*, \
+                           CASE WHEN p.ordering_key IS NOT NULL THEN p.key_paused_from END AS paused_from, \
+                           max(p.gap1) OVER k AS gap, max(p.gap_until1) OVER k AS gap_until, \
+                           max(p.parked1) OVER k AS parked_from \
+                    FROM probed p WINDOW k AS (PARTITION BY p.ordering_key) \
                  ), verdict AS ( \
-                    SELECT m.*, \
-                           m.paused OR coalesce(g.paused_from <= m.seq, false) \
-                             OR coalesce(g.gap < m.seq, false) OR coalesce(g.parked_from < m.seq, false) AS blocked, \
-                           CASE WHEN m.paused OR g.paused_from <= m.seq OR g.parked_from < m.seq \
+                    SELECT g.*, \
+                           g.paused OR coalesce(g.paused_from <= g.seq, false) \
+                             OR coalesce(g.gap < g.seq, false) OR coalesce(g.parked_from < g.seq, false) AS blocked, \
+                           CASE WHEN g.paused OR g.paused_from <= g.seq OR g.parked_from < g.seq \
                                   THEN greatest(now() + make_interval(secs => $4), g.gap_until) \
-                                WHEN g.gap < m.seq AND g.gap_until > now() THEN g.gap_until \
+                                WHEN g.gap < g.seq AND g.gap_until > now() THEN g.gap_until \
                            END AS hold_until \
-                    FROM kept m LEFT JOIN gate g ON g.k = m.ordering_key \
+                    FROM gated g \
                  ) \
                  SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
                         v.content_type, v.event_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
