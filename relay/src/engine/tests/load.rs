@@ -1,0 +1,115 @@
+//! Under load: a backlog and one hot key drain back to back, and a trickle
+//! goes out within the shortest pause, in batches of several.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{assert_key_order, enqueue_spread, start, Broker, MS};
+use crate::engine::Settings;
+use crate::source::memory::MemoryStore;
+
+#[tokio::test(start_paused = true)]
+async fn a_backlog_drains_back_to_back_without_a_pause() {
+    // A pause between full batches would show: the shortest is 100 ms here,
+    // and each statement takes 1 ms.
+    let settings = Settings {
+        poll_min: Duration::from_millis(100),
+        poll_interval: Duration::from_secs(1),
+        ..Settings::default()
+    };
+    let batches = 40;
+    let store = MemoryStore::default();
+    store.set_statement_time(MS);
+    enqueue_spread(&store, batches * settings.batch_size as usize, 100);
+    let started = Instant::now();
+    let relay = start(settings.clone(), store, Broker::default());
+    let drained = relay
+        .until(Duration::from_secs(60), |r| r.store.waiting() == 0)
+        .await;
+    let took = drained - started;
+    relay.stop().await;
+    eprintln!("backlog drained in {took:?}");
+    // One claim at a time (the claim lock), each 1 ms; begin, settle and
+    // commit overlap the next claim. A worker pausing once per batch would
+    // add 100 ms for every batch it ran.
+    assert!(
+        took < batches as u32 * 4 * MS,
+        "{batches} full batches took {took:?} of virtual time: the loop paused between them"
+    );
+    assert_eq!(
+        relay.broker.answered().len(),
+        batches * settings.batch_size as usize
+    );
+    assert_key_order(&relay.broker.answered());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_trickle_goes_out_within_the_shortest_pause_in_batches_of_several() {
+    let settings = Settings::default();
+    let store = MemoryStore::default();
+    store.set_statement_time(MS / 10);
+    let relay = start(settings.clone(), store, Broker::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // 1,000 rows a second for 5 s, no notifications: polling alone.
+    let mut enqueued = std::collections::HashMap::new();
+    for i in 0..5_000 {
+        let seq = relay.store.enqueue(&format!("k{}", i % 50), 100);
+        enqueued.insert(seq, Instant::now());
+        tokio::time::sleep(MS).await;
+    }
+    relay
+        .until(Duration::from_secs(5), |r| r.store.waiting() == 0)
+        .await;
+    let answered = relay.broker.answered();
+    relay.stop().await;
+    let worst = answered
+        .iter()
+        .map(|(seq, _, at)| *at - enqueued[seq])
+        .max()
+        .expect("rows went out");
+    // After a claim that was not full the pause is at most poll_min, plus
+    // the claim and settle statements.
+    assert!(
+        worst <= settings.poll_min + 2 * MS,
+        "a row waited {worst:?}: the pause did not drop back to poll_min under a trickle"
+    );
+    let batches = relay.broker.batches.load(Ordering::Relaxed);
+    assert!(
+        batches * 2 <= answered.len(),
+        "{} rows in {batches} batches: a trickle went out one by one",
+        answered.len()
+    );
+    assert_key_order(&answered);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_hot_key_drains_back_to_back_in_order() {
+    let settings = Settings::default();
+    let store = MemoryStore::default();
+    store.set_statement_time(MS);
+    let hot_batches = 10;
+    for _ in 0..hot_batches * settings.batch_size {
+        store.enqueue("hot", 100);
+    }
+    enqueue_spread(&store, 50, 10);
+    let started = Instant::now();
+    let relay = start(settings, store, Broker::default());
+    let drained = relay
+        .until(Duration::from_secs(120), |r| r.store.waiting() == 0)
+        .await;
+    relay.stop().await;
+    let took = drained - started;
+    eprintln!("hot key drained in {took:?}");
+    // The hot key's batches can only go one after another, each four
+    // statements of 1 ms (begin, claim, settle, commit). The worker that
+    // settles one claims the next at once; the others, finding the key
+    // taken, go on to other keys or wait for the hand-off. Any pause
+    // between two hot batches shows.
+    assert!(
+        took < hot_batches as u32 * 5 * MS,
+        "{hot_batches} batches of one key took {took:?}: the loop paused between them"
+    );
+    assert_key_order(&relay.broker.answered());
+}
