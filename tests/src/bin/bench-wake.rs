@@ -455,10 +455,13 @@ async fn latency(
         let total = (rate * seconds) as usize;
         commits.lock().expect("lock").resize(next_seq + total, None);
         let cpu_from = cpu_time_of(pid).unwrap_or_default();
-        let received_before = match &rabbit {
+        // Counted, not copied: a copy of every delivery each time round the
+        // wait below would take the machine from the relay it measures.
+        let received = || match &rabbit {
             Some(f) => f.count(),
             None => receipts.lock().expect("lock").len(),
         };
+        let received_before = received();
         let writers = 16usize;
         let started = Instant::now();
         let mut tasks = Vec::new();
@@ -497,12 +500,6 @@ async fn latency(
         }
         let wrote = started.elapsed();
         let wait_until = Instant::now() + Duration::from_secs(60);
-        // Counted, not copied: a copy of every delivery each time round
-        // would take the machine from the relay it measures.
-        let received = || match &rabbit {
-            Some(f) => f.count(),
-            None => receipts.lock().expect("lock").len(),
-        };
         while received() < received_before + total && Instant::now() < wait_until {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
