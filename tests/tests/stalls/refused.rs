@@ -3,9 +3,11 @@
 //! its key, fails alone and never turns into an endless outage.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use outbox_client::Message;
+use outbox_relay::publish::amqp::{AmqpPublisher, AmqpSettings};
+use outbox_relay::publish::{Envelope, Publisher};
 use outbox_tests::amqp::{self, Fixture};
 use outbox_tests::db::TestDb;
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
@@ -89,6 +91,81 @@ fn tally(rabbit: &Fixture) -> HashMap<Vec<u8>, usize> {
     seen
 }
 
+/// RabbitMQ's `max_message_size` is one setting for the whole broker: the
+/// tests that lower it take turns.
+static SIZE_LIMIT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Lowers RabbitMQ's `max_message_size` to 1 MiB for as long as it is held;
+/// [`LowLimit::restore`] puts the default back.
+struct LowLimit {
+    _turn: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl LowLimit {
+    async fn set() -> LowLimit {
+        let guard = SIZE_LIMIT.lock().await;
+        amqp::set_max_message_size(1024 * 1024).await;
+        LowLimit { _turn: guard }
+    }
+
+    async fn restore(self) {
+        amqp::set_max_message_size(128 * 1024 * 1024).await;
+    }
+}
+
+/// The broker closes the channel for a message over its limit while the
+/// publisher is still handing it the rest of the batch, so the publishes
+/// after the close fail with a bare "channel closed" and only the confirms
+/// already handed over carry the broker's reason. Before the fix the
+/// publisher gave up at the first failed publish without reading them,
+/// never learned the limit, and sent the message again on every retry: an
+/// outage without end, which CI saw once in the relay-level test below.
+#[tokio::test]
+async fn the_size_limit_is_learned_when_the_channel_closes_mid_batch() {
+    outbox_tests::init_logging();
+    let rabbit = Fixture::new().await;
+    let limit = LowLimit::set().await;
+    let publisher = AmqpPublisher::new(AmqpSettings {
+        url: outbox_tests::amqp_url(),
+        confirm_timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(5),
+        ca_pem: None,
+    });
+    let envelope = |seq: i64, payload: Vec<u8>| Envelope {
+        seq,
+        message_id: uuid::Uuid::now_v7(),
+        destination: rabbit.exchange.clone(),
+        ordering_key: Some(format!("k{}", seq % 7)),
+        routing_key: String::new(),
+        headers: Vec::new(),
+        payload,
+        content_type: None,
+        event_type: None,
+        created_at: SystemTime::now(),
+        attempts: 0,
+    };
+    // The oversized message first, then enough small ones that the close
+    // arrives while they are still being handed over.
+    let mut batch = vec![envelope(0, vec![b'z'; 2 * 1024 * 1024])];
+    batch.extend((1..20_000).map(|seq| envelope(seq, seq.to_be_bytes().to_vec())));
+    let first = publisher.publish(&batch).await;
+    let again = publisher.publish(&batch[..1]).await;
+    limit.restore().await;
+    assert!(
+        !matches!(&first, Ok(v) if v.iter().all(Result::is_ok)),
+        "the broker accepted a message over its limit"
+    );
+    match again {
+        Ok(verdicts) => assert!(
+            matches!(&verdicts[0], Err(r) if r.permanent),
+            "the oversized message was not refused as permanent: {verdicts:?}"
+        ),
+        Err(e) => panic!("the limit was not learned from the first batch; sent again: {e:#}"),
+    }
+    publisher.close().await;
+    rabbit.cleanup().await;
+}
+
 /// A message over the broker's `max_message_size` closes the channel under
 /// the whole batch. Before the fix that was an outage forever: the rest of
 /// the batch repeated and the message was never dead-lettered. It must fail
@@ -98,7 +175,7 @@ async fn a_message_over_the_brokers_size_limit_fails_alone() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
-    amqp::set_max_message_size(1024 * 1024).await;
+    let limit = LowLimit::set().await;
     let outbox = db.outbox().max_payload_bytes(4 * 1024 * 1024);
     let mut msgs = Vec::new();
     for i in 0..200u32 {
@@ -130,7 +207,7 @@ async fn a_message_over_the_brokers_size_limit_fails_alone() {
         db.pending().await == 0
     })
     .await;
-    amqp::set_max_message_size(128 * 1024 * 1024).await;
+    limit.restore().await;
     assert!(
         drained,
         "the outbox never drained past the oversized message"

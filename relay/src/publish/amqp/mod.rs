@@ -145,6 +145,9 @@ impl Publisher for AmqpPublisher {
         let mut refused: HashSet<&str> = HashSet::new();
         let mut sent = Vec::with_capacity(batch.len());
         let mut pending = Vec::with_capacity(batch.len());
+        // Why a publish failed, which ends the sending: the rest of the batch
+        // waits in the outbox for the next attempt.
+        let mut failed = None;
         for (i, env) in batch.iter().enumerate() {
             let key = env.ordering_key.as_deref();
             if key.is_some_and(|k| refused.contains(k)) {
@@ -201,8 +204,8 @@ impl Publisher for AmqpPublisher {
             {
                 Ok(c) => c,
                 Err(e) => {
-                    self.learn_size_limit(&e);
-                    return Err(PublishError::new("publish failed", e));
+                    failed = Some(e);
+                    break;
                 }
             };
             sent.push((i, env.message_id.to_string()));
@@ -242,6 +245,13 @@ impl Publisher for AmqpPublisher {
             if let Answer::Lost(e) = answer {
                 self.learn_size_limit(e);
             }
+        }
+        if let Some(e) = failed {
+            // A channel the broker closed mid-batch fails the publishes after
+            // the close with a bare "channel closed"; its reason (a size limit,
+            // say) reached only the confirms already handed over, read above.
+            self.learn_size_limit(&e);
+            return Err(PublishError::new("publish failed", e));
         }
         for (i, outcome) in correlate(&sent, answers)? {
             outcomes[i] = Some(outcome);
