@@ -145,6 +145,27 @@ pub fn record(
     let _ = std::fs::write(dir.join(format!("{file}.row")), format!("{row}\n"));
 }
 
+/// Records `report` as `scenario`'s row under `dir` (see [`record`]), then
+/// fails the test unless nothing was lost or unexpected and, with a `bound`,
+/// there were no more duplicates than it.
+pub fn judge(
+    dir: &str,
+    scenario: &str,
+    report: &Report,
+    started: std::time::Instant,
+    bound: Option<usize>,
+) {
+    record(dir, scenario, report, started.elapsed(), bound);
+    assert!(report.is_clean(), "{scenario}: {report}");
+    if let Some(bound) = bound {
+        assert!(
+            report.duplicates <= bound,
+            "{scenario}: {} duplicates, more than the bound of {bound}: {report}",
+            report.duplicates
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,12 @@
 //! One broker-neutral face for the suites' independent consumers, so a
 //! scenario is written once and run against RabbitMQ and Kafka alike.
 
-use crate::check::Seen;
+use std::time::Duration;
+
+use crate::check::{check, Report, Seen};
+use crate::db::TestDb;
+use crate::eventually;
+use crate::workload::Written;
 
 /// A destination on one broker and the consumer reading it.
 pub enum Sink {
@@ -63,6 +68,27 @@ impl Sink {
             Sink::Amqp(f) => crate::seen_amqp(&f.deliveries()),
             Sink::Kafka { fixture, .. } => crate::seen_kafka(&fixture.records()),
         }
+    }
+
+    /// Waits up to `patience` for `db`'s outbox to drain and for this
+    /// consumer to hold at least what `written` committed, lets late
+    /// duplicates land, then checks what arrived against what was written.
+    pub async fn settle(&self, db: &TestDb, written: &Written, patience: Duration) -> Report {
+        assert!(
+            eventually(patience, || async { db.pending().await == 0 }).await,
+            "outbox not drained within {patience:?}"
+        );
+        assert!(
+            eventually(patience, || async {
+                self.count() >= written.committed.len()
+            })
+            .await,
+            "only {} of {} delivered within {patience:?}",
+            self.count(),
+            written.committed.len()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        check(written, &self.seen())
     }
 
     /// The relay's environment for this broker. `via` replaces the broker's

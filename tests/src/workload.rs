@@ -74,6 +74,14 @@ impl Spec {
     }
 }
 
+/// Runs `spec` on a task of its own against `db`'s outbox; the task returns
+/// what was written.
+pub fn spawn(db: &crate::db::TestDb, spec: Spec) -> tokio::task::JoinHandle<Written> {
+    let config = db.config.clone();
+    let outbox = db.outbox();
+    tokio::spawn(async move { run(&config, &outbox, &spec).await })
+}
+
 /// Runs `spec` against `outbox` and returns what was written.
 pub async fn run(config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
     let mut tasks = Vec::new();

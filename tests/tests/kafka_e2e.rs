@@ -42,14 +42,13 @@ async fn every_message_keyed_with_headers_in_key_order() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let records = kafka.records();
     let report = check(&written, &seen_kafka(&records));
-    outbox_tests::check::record(
+    outbox_tests::check::judge(
         TMP,
         "kafka: no faults, 20k over 200 keys",
         &report,
-        started.elapsed(),
+        started,
         None,
     );
-    assert!(report.is_clean(), "{report}");
 
     let mut partition_of: HashMap<String, i32> = HashMap::new();
     for r in &records {

@@ -40,11 +40,7 @@ where
     };
     let relay = InProcessRelay::kafka(&db, &brokers, props, settings);
     let spec = Spec::new(&topic, 4, 20, 2_000);
-    let writers = {
-        let config = db.config.clone();
-        let outbox = db.outbox();
-        tokio::spawn(async move { workload::run(&config, &outbox, &spec).await })
-    };
+    let writers = workload::spawn(&db, spec);
     assert!(
         eventually(PATIENCE, || async { consumer.count() > 100 }).await,
         "{name}: nothing flows"

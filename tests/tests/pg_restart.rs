@@ -131,9 +131,7 @@ async fn postgres_restart_and_listen_termination_lose_nothing() {
                 max_commit_delay: Duration::from_millis(10),
                 ..Spec::new(lane.sink.destination(), 4, 40, 6_000)
             };
-            let config = lane.db.config.clone();
-            let outbox = lane.db.outbox();
-            tokio::spawn(async move { workload::run(&config, &outbox, &spec).await })
+            workload::spawn(&lane.db, spec)
         })
         .collect();
     for lane in &lanes {

@@ -13,12 +13,11 @@
 
 use std::time::Duration;
 
-use outbox_tests::check::{check, Report};
+use outbox_tests::check::Report;
 use outbox_tests::db::TestDb;
-use outbox_tests::eventually;
 use outbox_tests::process::RelayProcess;
 use outbox_tests::sink::Sink;
-use outbox_tests::workload::{self, Spec, Written};
+use outbox_tests::workload::{Spec, Written};
 
 mod database;
 mod mutants;
@@ -64,21 +63,7 @@ fn spec(sink: &Sink, messages: usize) -> Spec {
 
 /// Waits for the outbox to drain and the consumer to catch up, then checks.
 async fn settle(db: &TestDb, sink: &Sink, written: &Written) -> Report {
-    assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "outbox not drained"
-    );
-    assert!(
-        eventually(PATIENCE, || async {
-            sink.count() >= written.committed.len()
-        })
-        .await,
-        "only {} of {} delivered",
-        sink.count(),
-        written.committed.len()
-    );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    check(written, &sink.seen())
+    sink.settle(db, written, PATIENCE).await
 }
 
 /// [`settle`], then records the scenario's row under `name` and checks it:
@@ -92,22 +77,8 @@ async fn settle_within(
     bound: usize,
 ) -> Report {
     let report = settle(db, sink, written).await;
-    outbox_tests::check::record(
-        env!("CARGO_TARGET_TMPDIR"),
-        name,
-        &report,
-        started.elapsed(),
-        Some(bound),
-    );
-    assert!(report.is_clean(), "{report}");
-    assert!(report.duplicates <= bound, "{report}");
+    outbox_tests::check::judge(TMP, name, &report, started, Some(bound));
     report
-}
-
-fn spawn_writers(db: &TestDb, spec: Spec) -> tokio::task::JoinHandle<Written> {
-    let config = db.config.clone();
-    let outbox = db.outbox();
-    tokio::spawn(async move { workload::run(&config, &outbox, &spec).await })
 }
 
 async fn stop(mut relay: RelayProcess) {

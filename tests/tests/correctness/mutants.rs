@@ -11,7 +11,7 @@ use outbox_tests::proxy::{Mode, Proxy};
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
 
-use super::{env_for, spawn_writers, spec, PATIENCE, RELAY_BIN};
+use super::{env_for, spec, PATIENCE, RELAY_BIN};
 
 /// Testing the tester: a relay that deletes rows before the broker confirms
 /// loses messages when the broker is unreachable, and the checker must say so.
@@ -24,7 +24,7 @@ async fn mutant_ack_before_confirm_is_caught() {
     let mut env = env_for(&db, &sink, Some(&format!("127.0.0.1:{}", proxy.port)));
     env.push(("OUTBOX_TEST_MUTANT", "ack-before-confirm".into()));
     let mut relay = RelayProcess::start(RELAY_BIN, &env);
-    let writers = spawn_writers(&db, spec(&sink, 3_000));
+    let writers = workload::spawn(&db, spec(&sink, 3_000));
     assert!(eventually(PATIENCE, || async { sink.count() > 100 }).await);
     proxy.set(Mode::Refuse);
     tokio::time::sleep(Duration::from_secs(3)).await;

@@ -7,10 +7,9 @@ use outbox_tests::eventually;
 use outbox_tests::process::{tansu_behind_proxy, RelayProcess};
 use outbox_tests::proxy::{Mode, Proxy};
 use outbox_tests::sink::Sink;
+use outbox_tests::workload;
 
-use super::{
-    env_for, scale, settle_within, spawn_writers, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN,
-};
+use super::{env_for, scale, settle_within, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN};
 
 /// Scenario 6: a proxy between relay and broker black-holes traffic (accepts,
 /// never answers) for 10 s, then resets every connection.
@@ -19,7 +18,7 @@ async fn black_holed_then_reset(db: TestDb, sink: Sink, proxy: &Proxy) {
     let started = Instant::now();
     let via = format!("127.0.0.1:{}", proxy.port);
     let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
-    let writers = spawn_writers(&db, spec(&sink, scale(5_000)));
+    let writers = workload::spawn(&db, spec(&sink, scale(5_000)));
     assert!(
         eventually(PATIENCE, || async { sink.count() > 300 }).await,
         "no flow before the fault"
