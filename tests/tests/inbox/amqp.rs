@@ -8,6 +8,7 @@ use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
+use lapin::Channel;
 use outbox_client::consumer::amqp::{AmqpInbox, MissingIdPolicy};
 use outbox_client::consumer::{apply_once, ConsumeError, Handler};
 use outbox_client::inbox::{Arrival, Inbox};
@@ -56,14 +57,88 @@ impl Handler<Delivery> for CountEffect {
     }
 }
 
-/// The next delivery of `deliveries`, waited for up to [`PATIENCE`]; `what`
-/// names it in the panic.
-async fn next_delivery(deliveries: &mut lapin::Consumer, what: &str) -> Delivery {
-    tokio::time::timeout(PATIENCE, deliveries.next())
-        .await
-        .unwrap_or_else(|_| panic!("no {what} within {PATIENCE:?}"))
-        .expect("stream open")
-        .expect("delivery")
+/// One test's world: a schema with the effects table, and a fresh queue
+/// declared over a broker connection of its own.
+struct Scene {
+    db: TestDb,
+    effects: String,
+    queue: String,
+    setup: lapin::Connection,
+    setup_ch: Channel,
+}
+
+impl Scene {
+    /// A scene whose queue is declared with `args`.
+    async fn new(args: FieldTable) -> Scene {
+        let db = TestDb::new().await;
+        let effects = create_effects(&db).await;
+        let queue = unique("q");
+        let setup = amqp::connection().await;
+        let setup_ch = setup.create_channel().await.expect("channel");
+        declare_queue(&setup_ch, &queue, args).await;
+        Scene {
+            db,
+            effects,
+            queue,
+            setup,
+            setup_ch,
+        }
+    }
+
+    /// A consumer with connections of its own, `prefetch` deliveries at a
+    /// time.
+    async fn consumer(&self, prefetch: u16) -> Consumer {
+        let client = connect(&self.db.config).await;
+        let conn = amqp::connection().await;
+        let channel = conn.create_channel().await.expect("channel");
+        let deliveries = consume(&channel, &self.queue, prefetch).await;
+        Consumer {
+            client,
+            conn,
+            _channel: channel,
+            deliveries,
+        }
+    }
+
+    /// How many times `message`'s effect was applied.
+    async fn applied(&self, message: &str) -> i32 {
+        applied(&self.db, &self.effects, message).await
+    }
+
+    /// Checks that nothing is left in the queue (every copy acked, nothing
+    /// requeued), then removes what the scene made.
+    async fn finish(self) {
+        assert_eq!(queue_depth(&self.queue).await, 0, "every copy acked");
+        delete_queue(&self.queue).await;
+        let _ = self.setup.close(200, "ok".into()).await;
+        self.db.cleanup().await;
+    }
+}
+
+/// A consumer's own database session and broker connection.
+struct Consumer {
+    client: tokio_postgres::Client,
+    conn: lapin::Connection,
+    _channel: Channel,
+    deliveries: lapin::Consumer,
+}
+
+impl Consumer {
+    /// The next delivery, waited for up to [`PATIENCE`]; `what` names it in
+    /// the panic.
+    async fn next(&mut self, what: &str) -> Delivery {
+        tokio::time::timeout(PATIENCE, self.deliveries.next())
+            .await
+            .unwrap_or_else(|_| panic!("no {what} within {PATIENCE:?}"))
+            .expect("stream open")
+            .expect("delivery")
+    }
+
+    /// Closes the broker connection: unacked deliveries go back to the queue,
+    /// as when the process dies.
+    async fn close(self) {
+        let _ = self.conn.close(200, "ok".into()).await;
+    }
 }
 
 /// The same message delivered 10 times at once to 4 consumers, each with its
@@ -72,32 +147,21 @@ async fn next_delivery(deliveries: &mut lapin::Consumer, what: &str) -> Delivery
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ten_copies_to_four_consumers_apply_once() {
     outbox_tests::init_logging();
-    let db = TestDb::new().await;
-    let effects = create_effects(&db).await;
-    let queue = unique("q");
-    let setup = amqp::connection().await;
-    let setup_ch = setup.create_channel().await.expect("channel");
-    declare_queue(&setup_ch, &queue, FieldTable::default()).await;
-
+    let scene = Scene::new(FieldTable::default()).await;
     let message_id = uuid::Uuid::now_v7().to_string();
     let (tx, mut outcomes) = tokio::sync::mpsc::unbounded_channel::<(usize, Arrival)>();
     let mut consumers = Vec::new();
     for n in 0..4 {
-        let config = db.config.clone();
-        let inbox =
-            AmqpInbox::new(Inbox::with_schema(db.schema.clone()), "counter").expect("consumer");
-        let handler = CountEffect::new(&effects);
-        let queue = queue.clone();
+        let inbox = AmqpInbox::new(Inbox::with_schema(scene.db.schema.clone()), "counter")
+            .expect("consumer");
+        let handler = CountEffect::new(&scene.effects);
+        let mut consumer = scene.consumer(3).await;
         let tx = tx.clone();
         consumers.push(tokio::spawn(async move {
-            let mut client = connect(&config).await;
-            let conn = amqp::connection().await;
-            let ch = conn.create_channel().await.expect("channel");
-            let mut deliveries = consume(&ch, &queue, 3).await;
-            while let Some(d) = deliveries.next().await {
+            while let Some(d) = consumer.deliveries.next().await {
                 let d = d.expect("delivery");
                 let outcome = inbox
-                    .handle(&mut client, &d, &handler)
+                    .handle(&mut consumer.client, &d, &handler)
                     .await
                     .expect("handled");
                 let _ = tx.send((n, outcome));
@@ -107,9 +171,10 @@ async fn ten_copies_to_four_consumers_apply_once() {
     // Every consumer is subscribed before the copies arrive, so they spread.
     assert!(
         eventually(PATIENCE, || async {
-            setup_ch
+            scene
+                .setup_ch
                 .queue_declare(
-                    queue.as_str().into(),
+                    scene.queue.as_str().into(),
                     QueueDeclareOptions {
                         passive: true,
                         ..QueueDeclareOptions::default()
@@ -123,7 +188,7 @@ async fn ten_copies_to_four_consumers_apply_once() {
         .await,
         "consumers did not subscribe"
     );
-    publish(&queue, "m", Some(&message_id), 10).await;
+    publish(&scene.queue, "m", Some(&message_id), 10).await;
 
     let mut seen = Vec::new();
     while seen.len() < 10 {
@@ -142,11 +207,8 @@ async fn ten_copies_to_four_consumers_apply_once() {
     });
     println!("outcomes per consumer: {by_consumer:?}");
     assert_eq!(new, 1, "exactly one copy is new: {seen:?}");
-    assert_eq!(applied(&db, &effects, "m").await, 1);
-    assert_eq!(queue_depth(&queue).await, 0, "every copy acked");
-    delete_queue(&queue).await;
-    let _ = setup.close(200, "ok".into()).await;
-    db.cleanup().await;
+    assert_eq!(scene.applied("m").await, 1);
+    scene.finish().await;
 }
 
 /// A consumer commits its effect and dies before acking (its connection drops):
@@ -154,84 +216,63 @@ async fn ten_copies_to_four_consumers_apply_once() {
 /// not repeated.
 #[tokio::test]
 async fn amqp_crash_between_commit_and_ack_is_recognized() {
-    let db = TestDb::new().await;
-    let effects = create_effects(&db).await;
-    let queue = unique("q");
-    let setup = amqp::connection().await;
-    let setup_ch = setup.create_channel().await.expect("channel");
-    declare_queue(&setup_ch, &queue, FieldTable::default()).await;
+    let scene = Scene::new(FieldTable::default()).await;
     let message_id = uuid::Uuid::now_v7().to_string();
-    publish(&queue, "crash", Some(&message_id), 1).await;
-    let inbox = Inbox::with_schema(db.schema.clone());
-    let handler = CountEffect::new(&effects);
+    publish(&scene.queue, "crash", Some(&message_id), 1).await;
+    let inbox = Inbox::with_schema(scene.db.schema.clone());
+    let handler = CountEffect::new(&scene.effects);
 
     // The doomed consumer: the effect commits, then the connection goes away
     // without an ack, as when the process is killed.
-    {
-        let mut client = connect(&db.config).await;
-        let conn = amqp::connection().await;
-        let ch = conn.create_channel().await.expect("channel");
-        let mut deliveries = consume(&ch, &queue, 1).await;
-        let d = next_delivery(&mut deliveries, "delivery").await;
-        assert!(!d.redelivered);
-        let outcome = apply_once(&mut client, &inbox, "counter", &message_id, &d, &handler)
-            .await
-            .expect("applied");
-        assert_eq!(outcome, Arrival::New);
-        let _ = conn.close(320, "crash".into()).await;
-    }
-    assert_eq!(applied(&db, &effects, "crash").await, 1);
+    let mut doomed = scene.consumer(1).await;
+    let d = doomed.next("delivery").await;
+    assert!(!d.redelivered);
+    let outcome = apply_once(
+        &mut doomed.client,
+        &inbox,
+        "counter",
+        &message_id,
+        &d,
+        &handler,
+    )
+    .await
+    .expect("applied");
+    assert_eq!(outcome, Arrival::New);
+    doomed.close().await;
+    assert_eq!(scene.applied("crash").await, 1);
 
-    let mut client = connect(&db.config).await;
-    let conn = amqp::connection().await;
-    let ch = conn.create_channel().await.expect("channel");
-    let mut deliveries = consume(&ch, &queue, 1).await;
-    let d = next_delivery(&mut deliveries, "redelivery").await;
+    let mut next = scene.consumer(1).await;
+    let d = next.next("redelivery").await;
     assert!(d.redelivered, "the broker redelivers the unacked message");
     let consumer = AmqpInbox::new(inbox, "counter").expect("consumer");
     let outcome = consumer
-        .handle(&mut client, &d, &handler)
+        .handle(&mut next.client, &d, &handler)
         .await
         .expect("handled");
     assert_eq!(outcome, Arrival::Duplicate);
-    let _ = conn.close(200, "ok".into()).await;
-    assert_eq!(
-        applied(&db, &effects, "crash").await,
-        1,
-        "effect not repeated"
-    );
-    assert_eq!(queue_depth(&queue).await, 0, "the redelivery was acked");
-    delete_queue(&queue).await;
-    let _ = setup.close(200, "ok".into()).await;
-    db.cleanup().await;
+    next.close().await;
+    assert_eq!(scene.applied("crash").await, 1, "effect not repeated");
+    scene.finish().await;
 }
 
 /// A handler error rolls the effect back and requeues the delivery; the next
 /// attempt applies it, once.
 #[tokio::test]
 async fn handler_error_means_redelivery_not_ack() {
-    let db = TestDb::new().await;
-    let effects = create_effects(&db).await;
-    let queue = unique("q");
-    let setup = amqp::connection().await;
-    let setup_ch = setup.create_channel().await.expect("channel");
-    declare_queue(&setup_ch, &queue, FieldTable::default()).await;
-    publish(&queue, "flaky", Some("id-flaky"), 1).await;
+    let scene = Scene::new(FieldTable::default()).await;
+    publish(&scene.queue, "flaky", Some("id-flaky"), 1).await;
 
-    let handler = CountEffect::new(&effects);
+    let handler = CountEffect::new(&scene.effects);
     handler.fail_first.store(true, Ordering::SeqCst);
-    let consumer =
-        AmqpInbox::new(Inbox::with_schema(db.schema.clone()), "counter").expect("consumer");
-    let mut client = connect(&db.config).await;
-    let conn = amqp::connection().await;
-    let ch = conn.create_channel().await.expect("channel");
-    let mut deliveries = consume(&ch, &queue, 1).await;
+    let inbox =
+        AmqpInbox::new(Inbox::with_schema(scene.db.schema.clone()), "counter").expect("consumer");
+    let mut consumer = scene.consumer(1).await;
     let mut results = Vec::new();
     for _ in 0..2 {
-        let d = next_delivery(&mut deliveries, "delivery").await;
+        let d = consumer.next("delivery").await;
         results.push((
             d.redelivered,
-            consumer.handle(&mut client, &d, &handler).await,
+            inbox.handle(&mut consumer.client, &d, &handler).await,
         ));
     }
     assert!(matches!(
@@ -242,25 +283,16 @@ async fn handler_error_means_redelivery_not_ack() {
         matches!(results[1], (true, Ok(Arrival::New))),
         "{results:?}"
     );
-    let _ = conn.close(200, "ok".into()).await;
-    assert_eq!(applied(&db, &effects, "flaky").await, 1);
-    assert_eq!(queue_depth(&queue).await, 0);
-    delete_queue(&queue).await;
-    let _ = setup.close(200, "ok".into()).await;
-    db.cleanup().await;
+    consumer.close().await;
+    assert_eq!(scene.applied("flaky").await, 1);
+    scene.finish().await;
 }
 
 /// A delivery without a message id is a clear error, and the dead-letter
 /// policy sends it to the queue's dead-letter exchange instead of requeueing.
 #[tokio::test]
 async fn missing_message_id_is_dead_lettered() {
-    let db = TestDb::new().await;
-    let effects = create_effects(&db).await;
-    let queue = unique("q");
     let dlq = unique("dlq");
-    let setup = amqp::connection().await;
-    let setup_ch = setup.create_channel().await.expect("channel");
-    declare_queue(&setup_ch, &dlq, FieldTable::default()).await;
     let mut args = FieldTable::default();
     args.insert(
         "x-dead-letter-exchange".into(),
@@ -270,29 +302,25 @@ async fn missing_message_id_is_dead_lettered() {
         "x-dead-letter-routing-key".into(),
         AMQPValue::LongString(dlq.as_str().into()),
     );
-    declare_queue(&setup_ch, &queue, args).await;
-    publish(&queue, "anonymous", None, 1).await;
+    let scene = Scene::new(args).await;
+    declare_queue(&scene.setup_ch, &dlq, FieldTable::default()).await;
+    publish(&scene.queue, "anonymous", None, 1).await;
 
-    let consumer = AmqpInbox::new(Inbox::with_schema(db.schema.clone()), "counter")
+    let inbox = AmqpInbox::new(Inbox::with_schema(scene.db.schema.clone()), "counter")
         .expect("consumer")
         .missing_id(MissingIdPolicy::DeadLetter);
-    let mut client = connect(&db.config).await;
-    let conn = amqp::connection().await;
-    let ch = conn.create_channel().await.expect("channel");
-    let mut deliveries = consume(&ch, &queue, 1).await;
-    let d = next_delivery(&mut deliveries, "delivery").await;
-    let handler = CountEffect::new(&effects);
-    let result = consumer.handle(&mut client, &d, &handler).await;
+    let mut consumer = scene.consumer(1).await;
+    let d = consumer.next("delivery").await;
+    let handler = CountEffect::new(&scene.effects);
+    let result = inbox.handle(&mut consumer.client, &d, &handler).await;
     assert!(matches!(result, Err(ConsumeError::MissingMessageId)));
     assert!(
         eventually(PATIENCE, || async { queue_depth(&dlq).await == 1 }).await,
         "not dead-lettered"
     );
-    let _ = conn.close(200, "ok".into()).await;
-    assert_eq!(queue_depth(&queue).await, 0, "not requeued");
-    assert_eq!(applied(&db, &effects, "anonymous").await, 0);
-    delete_queue(&queue).await;
+    consumer.close().await;
+    assert_eq!(scene.applied("anonymous").await, 0);
     delete_queue(&dlq).await;
-    let _ = setup.close(200, "ok".into()).await;
-    db.cleanup().await;
+    // The queue itself is empty: the delivery was not requeued.
+    scene.finish().await;
 }
