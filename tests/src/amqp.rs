@@ -226,6 +226,14 @@ impl Fixture {
             .clone()
     }
 
+    /// The message ids received so far, in arrival order, repeats included.
+    pub fn message_ids(&self) -> Vec<String> {
+        self.deliveries()
+            .into_iter()
+            .map(|d| d.message_id)
+            .collect()
+    }
+
     /// How many deliveries so far.
     pub fn count(&self) -> usize {
         self.deliveries
@@ -267,7 +275,13 @@ impl Fixture {
 
 async fn declare(exchange: &str, queue: &str) -> lapin::Result<Connection> {
     let conn = connect().await?;
-    let ch = conn.create_channel().await?;
+    declare_topology(&conn.create_channel().await?, exchange, queue).await?;
+    Ok(conn)
+}
+
+/// Declares a durable topic `exchange` and a durable `queue` bound to all of
+/// it ("#").
+pub async fn declare_topology(ch: &Channel, exchange: &str, queue: &str) -> lapin::Result<()> {
     ch.exchange_declare(
         exchange.into(),
         ExchangeKind::Topic,
@@ -294,8 +308,7 @@ async fn declare(exchange: &str, queue: &str) -> lapin::Result<Connection> {
         QueueBindOptions::default(),
         FieldTable::default(),
     )
-    .await?;
-    Ok(conn)
+    .await
 }
 
 async fn consume_forever(

@@ -57,6 +57,20 @@ impl TestDb {
             .get(0)
     }
 
+    /// The first column of every row `sql` returns.
+    pub async fn column<T>(&self, sql: &str) -> Vec<T>
+    where
+        T: for<'a> tokio_postgres::types::FromSql<'a>,
+    {
+        self.client
+            .query(sql, &[])
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
     /// Rows in `table` of this schema (`dead_letters`, `published`, ...).
     pub async fn count(&self, table: &str) -> i64 {
         self.client

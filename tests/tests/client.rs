@@ -92,16 +92,11 @@ async fn enqueue_batch_of_1000_is_one_statement_in_order() {
     assert_eq!(n, 1, "enqueue_batch must be a single INSERT statement");
     // seq follows slice order.
     let stored: Vec<uuid::Uuid> = db
-        .client
-        .query(
-            &format!("SELECT message_id FROM {} ORDER BY seq", db.table()),
-            &[],
-        )
-        .await
-        .expect("select")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .column(&format!(
+            "SELECT message_id FROM {} ORDER BY seq",
+            db.table()
+        ))
+        .await;
     assert_eq!(stored, ids.iter().map(|i| i.0).collect::<Vec<_>>());
     db.cleanup().await;
 }

@@ -427,16 +427,11 @@ async fn same_key_with_another_body_is_422_and_applies_nothing() {
     assert_eq!(svc.outbox_rows().await, 1);
     let amounts: Vec<i64> = svc
         .db
-        .client
-        .query(
-            &format!("SELECT amount FROM {}.effects", svc.db.schema.quoted()),
-            &[],
-        )
-        .await
-        .expect("select")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .column(&format!(
+            "SELECT amount FROM {}.effects",
+            svc.db.schema.quoted()
+        ))
+        .await;
     assert_eq!(amounts, [1]);
 
     // The original request with the key still replays.

@@ -309,16 +309,10 @@ async fn expired_keys_run_again_and_cleanup_deletes_them_in_batches() {
         assert!(matches!(outcome, Reply::Executed(_)));
     }
     let ttl: Vec<bool> = db
-        .client
-        .query(
-            &format!("SELECT expires_at - created_at = interval '90 seconds' FROM {records}"),
-            &[],
-        )
-        .await
-        .expect("select")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .column(&format!(
+            "SELECT expires_at - created_at = interval '90 seconds' FROM {records}"
+        ))
+        .await;
     assert_eq!(ttl, vec![true; 25], "expiry is created_at + ttl");
 
     // Before expiry a reuse replays.

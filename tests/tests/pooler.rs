@@ -155,13 +155,7 @@ async fn the_app_enqueues_and_dedupes_through_a_transaction_pooler() {
 
     // The relay itself connects directly.
     let relay = InProcessRelay::amqp(&db, fast_settings());
-    let delivered = || -> HashSet<String> {
-        rabbit
-            .deliveries()
-            .iter()
-            .map(|d| d.message_id.clone())
-            .collect()
-    };
+    let delivered = || -> HashSet<String> { rabbit.message_ids().into_iter().collect() };
     assert!(
         eventually(Duration::from_secs(60), || async {
             expected.is_subset(&delivered())

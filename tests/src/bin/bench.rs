@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+    QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use outbox_client::Message;
 use outbox_tests::db::TestDb;
 
@@ -325,33 +325,7 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     let conn =
         Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
-    ch.exchange_declare(
-        exchange.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_bind(
-        queue.as_str().into(),
-        exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
+    outbox_tests::amqp::declare_topology(&ch, &exchange, &queue).await?;
 
     // 1. Rounds of the raw lapin baseline (the relay's confirm window) and the
     // relay draining a backlog with one replica.
@@ -808,27 +782,7 @@ async fn memory() -> anyhow::Result<()> {
     let conn =
         Connection::connect(&outbox_tests::amqp_url(), ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
-    ch.exchange_declare(
-        exchange.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_bind(
-        queue.as_str().into(),
-        exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
+    outbox_tests::amqp::declare_topology(&ch, &exchange, &queue).await?;
     // (label, payload sizes to draw from, messages)
     let cases: [(&str, &[usize], usize); 4] = [
         ("1 KiB", &[1024], 50_000),

@@ -135,11 +135,7 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
         "{human}"
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let ids: Vec<String> = rabbit
-        .deliveries()
-        .iter()
-        .map(|d| d.message_id.clone())
-        .collect();
+    let ids = rabbit.message_ids();
     for id in &later {
         assert!(
             !ids.contains(&id.to_string()),
@@ -172,9 +168,8 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
         "key not unparked"
     );
     let order: Vec<String> = rabbit
-        .deliveries()
-        .iter()
-        .map(|d| d.message_id.clone())
+        .message_ids()
+        .into_iter()
         .filter(|id| *id == first.to_string() || later.iter().any(|l| l.to_string() == *id))
         .collect();
     let expected: Vec<String> = std::iter::once(first)

@@ -18,6 +18,34 @@ fn retention_settings(retention: Duration, cleanup_batch: i64) -> outbox_relay::
     }
 }
 
+/// Enqueues `n` messages for `destination` over `keys` keys, then waits for
+/// `delivered` to count them all and for all `n` rows to be kept in
+/// `published`; returns their ids.
+async fn deliver_and_retain(
+    db: &TestDb,
+    destination: &str,
+    n: i32,
+    keys: i32,
+    delivered: impl Fn() -> usize,
+) -> Vec<outbox_client::MessageId> {
+    let batch: Vec<Message> = (0..n)
+        .map(|i| msg(destination, &format!("k{}", i % keys), i))
+        .collect();
+    let ids = db
+        .outbox()
+        .enqueue_batch(&db.client, &batch)
+        .await
+        .expect("enqueue");
+    assert!(eventually(PATIENCE, || async { delivered() >= n as usize }).await);
+    assert!(
+        eventually(PATIENCE, || async {
+            db.count("published").await == i64::from(n)
+        })
+        .await
+    );
+    ids
+}
+
 /// Retention mode on RabbitMQ: every confirmed row moves to `published` with
 /// its publish time and confirm, and `locate` reports it.
 #[tokio::test]
@@ -26,16 +54,7 @@ async fn retention_keeps_published_rows_with_amqp_receipts() {
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
     let relay = InProcessRelay::amqp(&db, retention_settings(Duration::from_secs(3600), 1000));
-    let batch: Vec<Message> = (0..500)
-        .map(|i| msg(&rabbit.exchange, &format!("k{}", i % 10), i))
-        .collect();
-    let ids = db
-        .outbox()
-        .enqueue_batch(&db.client, &batch)
-        .await
-        .expect("enqueue");
-    assert!(eventually(PATIENCE, || async { rabbit.count() >= 500 }).await);
-    assert!(eventually(PATIENCE, || async { db.count("published").await == 500 }).await);
+    let ids = deliver_and_retain(&db, &rabbit.exchange, 500, 10, || rabbit.count()).await;
     relay.stop().await;
     assert_eq!(db.pending().await, 0);
 
@@ -98,16 +117,7 @@ async fn retention_receipts_match_kafka_partitions_and_offsets() {
         &[],
         retention_settings(Duration::from_secs(3600), 1000),
     );
-    let batch: Vec<Message> = (0..300)
-        .map(|i| msg(&topic.topic, &format!("k{}", i % 30), i))
-        .collect();
-    let ids = db
-        .outbox()
-        .enqueue_batch(&db.client, &batch)
-        .await
-        .expect("enqueue");
-    assert!(eventually(PATIENCE, || async { topic.count() >= 300 }).await);
-    assert!(eventually(PATIENCE, || async { db.count("published").await == 300 }).await);
+    let ids = deliver_and_retain(&db, &topic.topic, 300, 30, || topic.count()).await;
     relay.stop().await;
 
     let seen: std::collections::HashMap<String, (i32, i64)> = topic

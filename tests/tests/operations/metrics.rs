@@ -12,7 +12,6 @@ use tokio::process::Command;
 
 use super::{PATIENCE, RELAY_BIN};
 
-/// A plain HTTP/1.0 GET, as a probe or a scraper would send it.
 /// The metrics page, or "" while the endpoint does not answer.
 async fn scrape(port: u16) -> String {
     get(port, "/metrics")
@@ -21,6 +20,8 @@ async fn scrape(port: u16) -> String {
         .unwrap_or_default()
 }
 
+/// A plain HTTP/1.0 GET, as a probe or a scraper would send it: the status
+/// and the body.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -47,6 +48,18 @@ fn sample(metrics: &str, prefix: &str) -> Option<f64> {
         .filter(|l| !l.starts_with('#') && l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .reduce(|a, b| a + b)
+}
+
+/// The broker connection gauge's sample line.
+const BROKER_UP: &str = "outbox_connection_up{target=\"broker\"}";
+
+/// Whether the relay on `port` comes to export `value` for `prefix` (see
+/// [`sample`]) within [`PATIENCE`].
+async fn sample_becomes(port: u16, prefix: &str, value: f64) -> bool {
+    eventually(PATIENCE, || async {
+        sample(&scrape(port).await, prefix) == Some(value)
+    })
+    .await
 }
 
 #[tokio::test]
@@ -96,7 +109,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     // The broker is unreachable from the start: alive and ready (as a
     // sidecar its readiness is the app's), the broker gauge at 0, backlog
     // grows.
-    let broker_up = |m: &str| sample(m, "outbox_connection_up{target=\"broker\"}");
+    let broker_up = |m: &str| sample(m, BROKER_UP);
     assert!(
         eventually(PATIENCE, || async {
             let m = scrape(port).await;
@@ -123,21 +136,13 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         rabbit.exchange
     );
     assert!(
-        eventually(PATIENCE, || async {
-            let m = scrape(port).await;
-            sample(&m, &backlog_line) == Some(2000.0)
-        })
-        .await,
+        sample_becomes(port, &backlog_line, 2000.0).await,
         "backlog gauge never showed the 2000 waiting rows"
     );
 
     proxy.set(Mode::Pass);
     assert!(
-        eventually(PATIENCE, || async {
-            let m = scrape(port).await;
-            broker_up(&m) == Some(1.0)
-        })
-        .await,
+        sample_becomes(port, BROKER_UP, 1.0).await,
         "the broker gauge never came back up"
     );
     assert!(eventually(PATIENCE, || async { rabbit.count() >= 2000 }).await);
@@ -198,11 +203,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     // relay stays alive and ready; back: the gauge rises again.
     proxy.set(Mode::Refuse);
     assert!(
-        eventually(PATIENCE, || async {
-            let m = scrape(port).await;
-            broker_up(&m) == Some(0.0)
-        })
-        .await,
+        sample_becomes(port, BROKER_UP, 0.0).await,
         "the broker gauge did not drop with the broker unreachable"
     );
     assert_eq!(
@@ -217,11 +218,7 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
     );
     proxy.set(Mode::Pass);
     assert!(
-        eventually(PATIENCE, || async {
-            let m = scrape(port).await;
-            broker_up(&m) == Some(1.0)
-        })
-        .await,
+        sample_becomes(port, BROKER_UP, 1.0).await,
         "the broker gauge did not come back"
     );
 

@@ -29,6 +29,22 @@ enum Head {
 /// out, and the blocked key's messages must not overtake its head. Before the
 /// fix, every claim filled up with the blocked key's rows and returned
 /// nothing, so the others waited forever (or until the key drained).
+/// Enqueues the head of key "hot", addressed to `missing`, an exchange that
+/// does not exist, so it can never go out; returns its id.
+async fn enqueue_blocked_head(db: &TestDb, missing: &str) -> outbox_client::MessageId {
+    db.outbox()
+        .enqueue(
+            &db.client,
+            &Message::builder(missing)
+                .key("hot")
+                .payload(b"head".to_vec())
+                .build()
+                .expect("valid"),
+        )
+        .await
+        .expect("enqueue")
+}
+
 async fn blocked_head_does_not_stall_other_keys(head: Head) {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
@@ -48,17 +64,7 @@ async fn blocked_head_does_not_stall_other_keys(head: Head) {
         ..fast_settings()
     };
     let outbox = db.outbox();
-    let head_id = outbox
-        .enqueue(
-            &db.client,
-            &Message::builder(missing.as_str())
-                .key("hot")
-                .payload(b"head".to_vec())
-                .build()
-                .expect("valid"),
-        )
-        .await
-        .expect("enqueue");
+    let head_id = enqueue_blocked_head(&db, &missing).await;
     let behind: Vec<Message> = (0..10 * batch_size as usize + 500)
         .map(|i| {
             Message::builder(rabbit.exchange.as_str())
@@ -205,17 +211,7 @@ async fn a_steady_stream_on_a_blocked_key_does_not_stall_others() {
         },
     );
     let outbox = db.outbox();
-    outbox
-        .enqueue(
-            &db.client,
-            &Message::builder(missing.as_str())
-                .key("hot")
-                .payload(b"head".to_vec())
-                .build()
-                .expect("valid"),
-        )
-        .await
-        .expect("enqueue");
+    enqueue_blocked_head(&db, &missing).await;
     let mut other_ids = HashSet::new();
     for round in 0..40 {
         let hot: Vec<Message> = (0..rng.random_range(20..80))

@@ -80,11 +80,7 @@ async fn outboxes_in_other_databases_and_schemas_never_see_each_other() {
         std::mem::forget(db); // dropped with its database below
     }
     let delivered = || {
-        let seen: HashSet<String> = rabbit
-            .deliveries()
-            .iter()
-            .map(|d| d.message_id.clone())
-            .collect();
+        let seen: HashSet<String> = rabbit.message_ids().into_iter().collect();
         expected.iter().filter(|id| seen.contains(*id)).count()
     };
     assert!(

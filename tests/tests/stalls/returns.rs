@@ -90,13 +90,7 @@ async fn a_returned_message_is_never_settled_as_published() {
         "seed {seed}: the outbox did not drain"
     );
     relay.stop().await;
-    let delivered = || -> HashSet<String> {
-        rabbit
-            .deliveries()
-            .iter()
-            .map(|d| d.message_id.clone())
-            .collect()
-    };
+    let delivered = || -> HashSet<String> { rabbit.message_ids().into_iter().collect() };
     eventually(Duration::from_secs(30), || async {
         routable.is_subset(&delivered())
     })
