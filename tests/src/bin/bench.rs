@@ -26,7 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::future::join_all;
+use futures::future::{join_all, Either};
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
     QueueDeleteOptions, QueuePurgeOptions,
@@ -473,6 +473,7 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
 
 /// Raw lapin, persistent and mandatory, `args.pipeline` tasks each waiting for
 /// the confirms of `args.batch` messages at a time: the relay's confirm window.
+/// Each batch is handed to the connection at once, as the relay does.
 async fn raw_lapin(
     args: &Args,
     pub_ch: &Arc<lapin::Channel>,
@@ -484,7 +485,7 @@ async fn raw_lapin(
         move |_, _, n| {
             let (ch, exchange, payload) = (Arc::clone(&ch), exchange.clone(), payload.clone());
             async move {
-                let mut confirms = Vec::with_capacity(n);
+                let mut handed = Vec::with_capacity(n);
                 for _ in 0..n {
                     // What the relay sends for a row without headers.
                     let timestamp = std::time::SystemTime::now()
@@ -496,20 +497,24 @@ async fn raw_lapin(
                         .with_timestamp(timestamp)
                         .with_headers(FieldTable::default())
                         .with_content_type(CONTENT_TYPE.into());
-                    confirms.push(
-                        ch.basic_publish(
-                            exchange.as_str().into(),
-                            ROUTING_KEY.into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                immediate: false,
-                            },
-                            &payload,
-                            props,
-                        )
-                        .await?,
-                    );
+                    // Queued when first polled, in order; the writes are
+                    // awaited together, as the relay does.
+                    let mut publish = Box::pin(ch.basic_publish(
+                        exchange.as_str().into(),
+                        ROUTING_KEY.into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            immediate: false,
+                        },
+                        &payload,
+                        props,
+                    ));
+                    handed.push(match futures::poll!(publish.as_mut()) {
+                        std::task::Poll::Ready(r) => Either::Left(futures::future::ready(r)),
+                        std::task::Poll::Pending => Either::Right(publish),
+                    });
                 }
+                let confirms = futures::future::try_join_all(handed).await?;
                 for c in join_all(confirms).await {
                     if !matches!(c?, Confirmation::Ack(None)) {
                         anyhow::bail!("raw publish not acked");
