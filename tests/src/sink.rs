@@ -1,11 +1,13 @@
 //! One broker-neutral face for the suites' independent consumers, so a
 //! scenario is written once and run against RabbitMQ and Kafka alike.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::check::{check, Report, Seen};
 use crate::db::TestDb;
 use crate::eventually;
+use crate::kafka::Record;
 use crate::workload::Written;
 
 /// A destination on one broker and the consumer reading it.
@@ -66,29 +68,72 @@ impl Sink {
     pub fn seen(&self) -> Vec<Seen> {
         match self {
             Sink::Amqp(f) => crate::seen_amqp(&f.deliveries()),
-            Sink::Kafka { fixture, .. } => crate::seen_kafka(&fixture.records()),
+            Sink::Kafka { fixture, .. } => {
+                // In each partition's offset order: records read again after
+                // the live consumer skipped them (see
+                // `kafka::Fixture::read_skipped`) go where the broker put them.
+                let mut records = fixture.records();
+                records.sort_by_key(|r| (r.partition, r.offset));
+                crate::seen_kafka(&records)
+            }
         }
     }
 
     /// Waits up to `patience` for `db`'s outbox to drain and for this
-    /// consumer to hold at least what `written` committed, lets late
+    /// consumer to have seen every message `written` committed, lets late
     /// duplicates land, then checks what arrived against what was written.
+    ///
+    /// Waiting for a count would not do: duplicates make the count reach the
+    /// number committed while a first delivery is still on its way. When
+    /// something is still missing at the end, what the outbox, its dead
+    /// letters, its retained receipts and the consumer know of it is printed,
+    /// so a failure says where the message went.
     pub async fn settle(&self, db: &TestDb, written: &Written, patience: Duration) -> Report {
         assert!(
             eventually(patience, || async { db.pending().await == 0 }).await,
             "outbox not drained within {patience:?}"
         );
-        assert!(
-            eventually(patience, || async {
-                self.count() >= written.committed.len()
-            })
-            .await,
-            "only {} of {} delivered within {patience:?}",
-            self.count(),
-            written.committed.len()
-        );
+        let reread = std::cell::Cell::new(0);
+        let everything = eventually(patience, || async {
+            if self.count() < written.committed.len() {
+                return false;
+            }
+            if self.missing(written).is_empty() {
+                return true;
+            }
+            if let Sink::Kafka { fixture, .. } = self {
+                reread.set(reread.get() + fixture.read_skipped().await);
+            }
+            self.missing(written).is_empty()
+        })
+        .await;
         tokio::time::sleep(Duration::from_millis(500)).await;
-        check(written, &self.seen())
+        let reread = reread.get();
+        if reread > 0 {
+            println!(
+                "{reread} record(s) the live consumer skipped were read again at their offsets"
+            );
+        }
+        let report = check(written, &self.seen());
+        if !everything || !report.lost.is_empty() {
+            let records = match self {
+                Sink::Kafka { fixture, .. } => fixture.records(),
+                Sink::Amqp(_) => Vec::new(),
+            };
+            println!("{}", explain_loss(db, &report.lost, &records).await);
+        }
+        report
+    }
+
+    /// Committed messages this consumer has not seen yet.
+    fn missing(&self, written: &Written) -> Vec<uuid::Uuid> {
+        let seen: HashSet<String> = self.seen().into_iter().map(|s| s.message_id).collect();
+        written
+            .committed
+            .keys()
+            .filter(|id| !seen.contains(&id.to_string()))
+            .copied()
+            .collect()
     }
 
     /// The relay's environment for this broker. `via` replaces the broker's
@@ -119,4 +164,58 @@ impl Sink {
             Sink::Kafka { fixture, .. } => fixture.stop().await,
         }
     }
+}
+
+/// Where the first few of `lost` are: still in the outbox, dead-lettered,
+/// or confirmed by the broker (a receipt, in retention mode), and for
+/// Kafka what the consumer read at that receipt's offset and any gaps in
+/// the offsets it read.
+pub async fn explain_loss(db: &TestDb, lost: &[uuid::Uuid], records: &[Record]) -> String {
+    let mut out = format!("{} committed message(s) not delivered", lost.len());
+    for id in lost.iter().take(5) {
+        let mut places = Vec::new();
+        for table in ["messages", "dead_letters", "published"] {
+            let rows = db
+                .client
+                .query(
+                    &format!(
+                        "SELECT to_jsonb(t) - 'payload' FROM {}.{table} t WHERE message_id = $1",
+                        db.schema.quoted()
+                    ),
+                    &[id],
+                )
+                .await
+                .map(|rows| {
+                    rows.iter()
+                        .map(|r| r.get::<_, serde_json::Value>(0))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default();
+            for row in rows {
+                let mut place = format!("{table}: {row}");
+                let receipt = &row["receipt"];
+                if let (Some(p), Some(o)) =
+                    (receipt["partition"].as_i64(), receipt["offset"].as_i64())
+                {
+                    let there: Vec<String> = records
+                        .iter()
+                        .filter(|r| i64::from(r.partition) == p && r.offset == o)
+                        .map(|r| r.headers.get("message-id").cloned().unwrap_or_default())
+                        .collect();
+                    place.push_str(&format!("; the consumer read at that offset: {there:?}"));
+                }
+                places.push(place);
+            }
+        }
+        if places.is_empty() {
+            places.push("in none of messages, dead_letters, published".into());
+        }
+        out.push_str(&format!("\n  {id}: {}", places.join(" | ")));
+    }
+    for (partition, from, until) in crate::kafka::gaps(records) {
+        out.push_str(&format!(
+            "\n  partition {partition}: offsets {from}..{until} never read"
+        ));
+    }
+    out
 }

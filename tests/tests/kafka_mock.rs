@@ -68,58 +68,11 @@ where
     assert!(
         report.is_clean(),
         "{name}: {report}\n{}",
-        explain_losses(&db, &report, &consumer.records()).await
+        outbox_tests::sink::explain_loss(&db, &report.lost, &consumer.records()).await
     );
     relay.stop().await;
     consumer.stop().await;
     db.cleanup().await;
-}
-
-/// For each lost message: the receipts the relay kept (the partition and
-/// offset of every delivery report it settled) and what the consumer read at
-/// those offsets.
-async fn explain_losses(
-    db: &TestDb,
-    report: &outbox_tests::check::Report,
-    records: &[outbox_tests::kafka::Record],
-) -> String {
-    let mut out = String::new();
-    for id in &report.lost {
-        let rows = db
-            .client
-            .query(
-                &format!(
-                    "SELECT receipt::text, attempts, published_at::text FROM {}.published \
-                     WHERE message_id = $1 ORDER BY seq",
-                    db.schema.quoted()
-                ),
-                &[id],
-            )
-            .await
-            .expect("receipts");
-        out.push_str(&format!("lost {id}: {} receipt(s)\n", rows.len()));
-        for row in rows {
-            let receipt: String = row.get(0);
-            let attempts: i32 = row.get(1);
-            let at: String = row.get(2);
-            let json: serde_json::Value = serde_json::from_str(&receipt).expect("json");
-            let (p, o) = (json["partition"].as_i64(), json["offset"].as_i64());
-            let there = records
-                .iter()
-                .find(|r| Some(i64::from(r.partition)) == p && Some(r.offset) == o)
-                .map(|r| r.headers.get("message-id").cloned().unwrap_or_default());
-            out.push_str(&format!(
-                "  {receipt} attempts={attempts} at {at}; consumer read there: {there:?}\n"
-            ));
-        }
-    }
-    let mut ends: std::collections::BTreeMap<i32, i64> = Default::default();
-    for r in records {
-        let e = ends.entry(r.partition).or_default();
-        *e = (*e).max(r.offset);
-    }
-    out.push_str(&format!("highest offset read per partition: {ends:?}\n"));
-    out
 }
 
 async fn produce_errors(name: &str, err: RDKafkaRespErr) {

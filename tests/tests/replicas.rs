@@ -26,6 +26,9 @@ fn replica_env(db: &TestDb) -> Vec<(&'static str, String)> {
         ("OUTBOX_LEASE", "2s".into()),
         ("OUTBOX_CONFIRM_TIMEOUT", "4s".into()),
         ("OUTBOX_HOLD_LIMIT", "6s".into()),
+        // Published rows keep the broker's receipt, so a message missing at
+        // the consumer can be traced to what the broker answered for it.
+        ("OUTBOX_RETENTION", "1h".into()),
     ]
 }
 
