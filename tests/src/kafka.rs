@@ -181,11 +181,10 @@ impl Fixture {
             )
             .await;
             let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+            let have: std::collections::HashSet<(i32, i64)> =
+                records.iter().map(|r| (r.partition, r.offset)).collect();
             for r in again {
-                if !records
-                    .iter()
-                    .any(|have| have.partition == r.partition && have.offset == r.offset)
-                {
+                if !have.contains(&(r.partition, r.offset)) {
                     records.push(r);
                     found += 1;
                 }
