@@ -13,145 +13,24 @@
 //! same message id, never a loss. So is a record librdkafka reports delivered
 //! without an offset: it inferred that, the broker never said it.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::channel::oneshot;
 use futures::future::join_all;
-use rdkafka::client::ClientContext;
-use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, Message, OwnedHeaders};
-use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::producer::{BaseRecord, Producer};
 
 use super::cloudevents::CloudEvents;
 use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 
-/// Settings for [`KafkaPublisher`].
-#[derive(Clone)]
-pub struct KafkaSettings {
-    /// `bootstrap.servers`.
-    pub brokers: String,
-    /// librdkafka properties passed through verbatim; they override the
-    /// relay's defaults (SASL, TLS, compression, linger, ...).
-    pub properties: Vec<(String, String)>,
-    /// `message.timeout.ms`: how long librdkafka keeps retrying a record before
-    /// reporting it failed. The batch is then retried by the relay.
-    pub message_timeout: Duration,
-}
+mod producer;
+mod record;
+mod settings;
 
-/// Property names whose values are secrets.
-pub fn is_secret(key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
-    [
-        "password",
-        "secret",
-        "sasl.oauthbearer.config",
-        "ssl.key.pem",
-    ]
-    .iter()
-    .any(|s| k.contains(s))
-}
-
-impl std::fmt::Debug for KafkaSettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let props: Vec<(&str, &str)> = self
-            .properties
-            .iter()
-            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
-            .collect();
-        f.debug_struct("KafkaSettings")
-            .field("brokers", &self.brokers)
-            .field("properties", &props)
-            .field("message_timeout", &self.message_timeout)
-            .finish()
-    }
-}
-
-impl KafkaSettings {
-    /// The producer configuration: safe defaults first, pass-through last.
-    pub fn client_config(&self) -> ClientConfig {
-        let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &self.brokers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            // Same partition for a key as the Java client gives it, so consumers
-            // and other producers agree on where a key lives.
-            .set("partitioner", "murmur2_random")
-            .set(
-                "message.timeout.ms",
-                self.message_timeout.as_millis().to_string(),
-            )
-            // librdkafka's default local queue is 1 GiB; a relay never needs more
-            // than its batches in flight, and the backlog belongs in Postgres.
-            .set("queue.buffering.max.kbytes", "65536")
-            .set("queue.buffering.max.messages", "100000")
-            .set("linger.ms", "5");
-        for (k, v) in &self.properties {
-            c.set(k, v);
-        }
-        c
-    }
-}
-
-/// A record's delivery report: its partition and offset, or why it failed.
-type Report = Result<(i32, i64), KafkaError>;
-
-/// Hands each delivery report to the future waiting for it.
-struct Deliveries;
-
-impl ClientContext for Deliveries {}
-
-impl ProducerContext for Deliveries {
-    type DeliveryOpaque = Box<oneshot::Sender<Report>>;
-
-    fn delivery(&self, result: &DeliveryResult<'_>, waiting: Self::DeliveryOpaque) {
-        let report = match result {
-            Ok(m) => Ok((m.partition(), m.offset())),
-            Err((e, _)) => Err(e.clone()),
-        };
-        // The batch may have given up waiting; nothing else to tell.
-        let _ = waiting.send(report);
-    }
-}
-
-/// librdkafka's producer with a thread of its own serving delivery reports.
-///
-/// rdkafka's `FutureProducer` polls every 100 ms and rounds the rest of each
-/// wait down to whole milliseconds, so the last part of every poll spins:
-/// an idle relay spent 0.8 % of a core in that thread. This one waits up to
-/// a second per poll (a report still wakes it at once), so the spin is a
-/// tenth of that. Dropping it does not wait: the thread notices within a
-/// second and destroys the producer itself.
-struct KafkaProducer {
-    inner: Arc<BaseProducer<Deliveries>>,
-    stop: Arc<AtomicBool>,
-}
-
-impl KafkaProducer {
-    fn new(config: &ClientConfig) -> Result<Self, KafkaError> {
-        let inner: Arc<BaseProducer<Deliveries>> =
-            Arc::new(config.create_with_context(Deliveries)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (producer, stopped) = (Arc::clone(&inner), Arc::clone(&stop));
-        std::thread::Builder::new()
-            .name("kafka-reports".into())
-            .spawn(move || {
-                while !stopped.load(Ordering::Relaxed) {
-                    producer.poll(Duration::from_secs(1));
-                }
-            })
-            .map_err(|e| KafkaError::ClientCreation(format!("delivery report thread: {e}")))?;
-        Ok(KafkaProducer { inner, stop })
-    }
-}
-
-impl Drop for KafkaProducer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
+use producer::KafkaProducer;
+use record::{headers, rejection};
+pub use settings::{is_secret, KafkaSettings};
 
 /// Publishes to Kafka; rebuilds the producer if librdkafka reports it fatally
 /// failed (an idempotence violation it cannot repair).
@@ -230,80 +109,6 @@ impl KafkaPublisher {
             Err(e) => tracing::error!(error = %e, "cannot create a new kafka producer"),
         }
     }
-}
-
-/// Errors a retry can never fix.
-fn is_permanent(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::MessageSizeTooLarge
-            | RDKafkaErrorCode::InvalidMessageSize
-            | RDKafkaErrorCode::InvalidRecord
-            | RDKafkaErrorCode::InvalidTopic
-    )
-}
-
-/// Errors about one topic that an operator can fix (create the topic, grant
-/// access): the message waits and retries, while other topics keep flowing.
-fn is_topic_problem(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::UnknownTopic
-            | RDKafkaErrorCode::UnknownTopicOrPartition
-            | RDKafkaErrorCode::TopicAuthorizationFailed
-    )
-}
-
-/// The outcome for a record librdkafka refused or failed, or None when the
-/// failure is not the record's own and the batch must be retried.
-fn rejection(e: &KafkaError) -> Option<Rejection> {
-    match e {
-        KafkaError::MessageProduction(code) if is_permanent(*code) => {
-            Some(Rejection::permanent(format!("kafka: {code}")))
-        }
-        KafkaError::MessageProduction(code) if is_topic_problem(*code) => {
-            Some(Rejection::retryable(format!("kafka: {code}")))
-        }
-        _ => None,
-    }
-}
-
-fn headers(env: &Envelope, cloudevents: Option<&CloudEvents>) -> OwnedHeaders {
-    let id = env.message_id.to_string();
-    let mut h = OwnedHeaders::new_with_capacity(env.headers.len() + 7).insert(Header {
-        key: "message-id",
-        value: Some(id.as_str()),
-    });
-    if let Some(ct) = &env.content_type {
-        h = h.insert(Header {
-            key: "content-type",
-            value: Some(ct.as_str()),
-        });
-    }
-    let attributes: Vec<(String, String)> = cloudevents
-        .map(|ce| ce.attributes(env))
-        .into_iter()
-        .flatten()
-        .map(|(name, value)| (format!("ce_{name}"), value))
-        .collect();
-    // Kafka headers may repeat a name; a row header that spells one of the
-    // event's attributes is left out rather than sent beside it.
-    for (k, v) in &env.headers {
-        if attributes.iter().any(|(a, _)| a.eq_ignore_ascii_case(k)) {
-            continue;
-        }
-        h = h.insert(Header {
-            key: k.as_str(),
-            value: Some(v.as_str()),
-        });
-    }
-    for (k, v) in &attributes {
-        h = h.insert(Header {
-            key: k.as_str(),
-            value: Some(v.as_str()),
-        });
-    }
-    h
 }
 
 impl Publisher for KafkaPublisher {

@@ -1,0 +1,72 @@
+//! What the relay asks of librdkafka, and which of its properties are secret.
+
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+
+/// Settings for [`super::KafkaPublisher`].
+#[derive(Clone)]
+pub struct KafkaSettings {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// librdkafka properties passed through verbatim; they override the
+    /// relay's defaults (SASL, TLS, compression, linger, ...).
+    pub properties: Vec<(String, String)>,
+    /// `message.timeout.ms`: how long librdkafka keeps retrying a record before
+    /// reporting it failed. The batch is then retried by the relay.
+    pub message_timeout: Duration,
+}
+
+/// Property names whose values are secrets.
+pub fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "secret",
+        "sasl.oauthbearer.config",
+        "ssl.key.pem",
+    ]
+    .iter()
+    .any(|s| k.contains(s))
+}
+
+impl std::fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let props: Vec<(&str, &str)> = self
+            .properties
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("KafkaSettings")
+            .field("brokers", &self.brokers)
+            .field("properties", &props)
+            .field("message_timeout", &self.message_timeout)
+            .finish()
+    }
+}
+
+impl KafkaSettings {
+    /// The producer configuration: safe defaults first, pass-through last.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            // Same partition for a key as the Java client gives it, so consumers
+            // and other producers agree on where a key lives.
+            .set("partitioner", "murmur2_random")
+            .set(
+                "message.timeout.ms",
+                self.message_timeout.as_millis().to_string(),
+            )
+            // librdkafka's default local queue is 1 GiB; a relay never needs more
+            // than its batches in flight, and the backlog belongs in Postgres.
+            .set("queue.buffering.max.kbytes", "65536")
+            .set("queue.buffering.max.messages", "100000")
+            .set("linger.ms", "5");
+        for (k, v) in &self.properties {
+            c.set(k, v);
+        }
+        c
+    }
+}
