@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod check;
 pub mod claim;
 pub mod db;
+pub mod http;
 pub mod idempotency;
 pub mod kafka;
 pub mod pgbouncer;

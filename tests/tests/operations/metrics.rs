@@ -6,49 +6,12 @@ use std::time::Duration;
 use outbox_client::Message;
 use outbox_tests::amqp::Fixture;
 use outbox_tests::db::TestDb;
+use outbox_tests::http::{get, sample, scrape};
 use outbox_tests::proxy::{Mode, Proxy};
 use outbox_tests::{eventually, free_port};
 use tokio::process::Command;
 
 use super::{PATIENCE, RELAY_BIN};
-
-/// The metrics page, or "" while the endpoint does not answer.
-async fn scrape(port: u16) -> String {
-    get(port, "/metrics")
-        .await
-        .map(|(_, m)| m)
-        .unwrap_or_default()
-}
-
-/// A plain HTTP/1.0 GET, as a probe or a scraper would send it: the status
-/// and the body.
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await.ok()?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text.split_whitespace().nth(1)?.parse().ok()?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Some((status, body))
-}
-
-/// The value of the first sample line starting with `prefix`.
-fn sample(metrics: &str, prefix: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .filter(|l| !l.starts_with('#') && l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .reduce(|a, b| a + b)
-}
 
 /// The broker connection gauge's sample line.
 const BROKER_UP: &str = "outbox_connection_up{target=\"broker\"}";
