@@ -241,8 +241,14 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         if batch.is_empty() {
             // Rows set aside behind a blocked head leave the fresh path, so
             // the next claim reaches the other keys at once.
-            let held = tx.hold(&holds).await?;
-            tx.commit().await?;
+            let held = tx
+                .settle_and_commit(Settle {
+                    published: &[],
+                    failed: &[],
+                    holds: &holds,
+                    dead: &[],
+                })
+                .await?;
             return Ok(if held > 0 {
                 BatchEnd::Settled { more: true }
             } else {
@@ -313,10 +319,13 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
                 self.stats.count(Event::BatchFailed, 1);
                 metrics::counter!(crate::metrics::BATCH_FAILURES).increment(1);
-                // Recording the reason is a courtesy to operators; if it fails the
-                // rows are released by the rollback all the same.
+                // Recording the reason is a courtesy to operators; if it
+                // fails, the rollback releases the rows all the same, now
+                // rather than after the broker's backoff.
                 if tx.note_batch_error(&seqs, &e.to_string()).await.is_ok() {
                     tx.commit().await?;
+                } else {
+                    tx.rollback().await?;
                 }
                 return Err(e.into());
             }
@@ -324,14 +333,13 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         hooks::after_ack();
         drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
-        tx.settle(Settle {
+        tx.settle_and_commit(Settle {
             published: &plan.published,
             failed: &plan.failed,
             holds: &holds,
             dead: &plan.dead,
         })
         .await?;
-        tx.commit().await?;
         self.stats
             .count(Event::DeadLettered, plan.dead.len() as u64);
         for (seq, reason) in &plan.dead {

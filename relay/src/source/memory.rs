@@ -265,14 +265,7 @@ impl BatchTx for MemoryTx {
         Ok(claimed)
     }
 
-    async fn hold(&mut self, holds: &[(i64, SystemTime)]) -> Result<u64, StoreError> {
-        self.store
-            .statement(self.generation, Duration::ZERO)
-            .await?;
-        Ok(holds.len() as u64)
-    }
-
-    async fn settle(&mut self, settle: Settle<'_>) -> Result<(), StoreError> {
+    async fn settle_and_commit(mut self, settle: Settle<'_>) -> Result<u64, StoreError> {
         self.store
             .statement(self.generation, Duration::ZERO)
             .await?;
@@ -281,7 +274,8 @@ impl BatchTx for MemoryTx {
         self.retry
             .extend(settle.failed.iter().map(|(seq, _, delay)| (*seq, *delay)));
         self.dead.extend(settle.dead.iter().map(|(seq, _)| *seq));
-        Ok(())
+        self.commit().await?;
+        Ok(settle.holds.len() as u64)
     }
 
     async fn note_batch_error(&mut self, seqs: &[i64], _error: &str) -> Result<u64, StoreError> {
@@ -315,6 +309,10 @@ impl BatchTx for MemoryTx {
             }
         }
         Ok(())
+    }
+
+    async fn rollback(self) -> Result<(), StoreError> {
+        Ok(()) // dropping releases the rows
     }
 }
 

@@ -12,7 +12,7 @@ use std::fmt;
 use std::future::Future;
 use std::time::{Duration, SystemTime};
 
-use tokio_postgres::{Client, Transaction};
+use tokio_postgres::Client;
 
 use super::claim::{ClaimLimits, Claimed, Prepared, Queries};
 use super::{Database, PgError};
@@ -55,19 +55,15 @@ pub(crate) trait BatchTx: Send {
         floor: i64,
     ) -> impl Future<Output = Result<Claimed, StoreError>> + Send + 'a;
 
-    /// Sets rows of blocked keys aside until the given times.
-    fn hold<'a>(
-        &'a mut self,
-        holds: &'a [(i64, SystemTime)],
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a;
-
-    /// Settles a batch the broker answered: the confirmed rows go (or move
-    /// to `published` with their receipts), the rejected ones wait out their
-    /// retry delay, the dead ones move to the dead letters.
-    fn settle<'a>(
-        &'a mut self,
-        settle: Settle<'a>,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a;
+    /// Settles a batch and commits, in one round trip where the store can:
+    /// the confirmed rows go (or move to `published` with their receipts),
+    /// the rejected ones wait out their retry delay, the dead ones move to
+    /// the dead letters, and rows of blocked keys are set aside. Returns how
+    /// many rows were set aside; an error means nothing was committed.
+    fn settle_and_commit(
+        self,
+        settle: Settle<'_>,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Records a whole-batch failure on the rows, without counting an attempt.
     fn note_batch_error<'a>(
@@ -84,6 +80,11 @@ pub(crate) trait BatchTx: Send {
 
     /// Commits everything above.
     fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls back at once, releasing every row the claim locked. Dropping
+    /// the transaction does the same, at the latest when its session runs
+    /// its next statement.
+    fn rollback(self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// What a settle writes, from [`crate::engine`]'s settle plan.
@@ -92,7 +93,7 @@ pub(crate) struct Settle<'a> {
     pub(crate) published: &'a [(&'a Envelope, Receipt)],
     /// Rows it refused: seq, reason, delay until the next attempt.
     pub(crate) failed: &'a [(i64, String, Duration)],
-    /// Rows of blocked keys to set aside.
+    /// Rows of blocked keys to set aside, until when.
     pub(crate) holds: &'a [(i64, SystemTime)],
     /// Rows that ran out of attempts: seq, final reason.
     pub(crate) dead: &'a [(i64, String)],
@@ -168,13 +169,27 @@ pub(crate) struct PgSession {
     client: Client,
     prepared: Prepared,
     queries: Queries,
+    /// A batch transaction may still be open on the connection: one was
+    /// begun and never seen to end (its `PgTx` was dropped). The next batch
+    /// rolls it back first, in the same round trip as its BEGIN.
+    dangling: bool,
 }
 
 /// One batch's Postgres transaction.
+///
+/// Nothing is sent at [`Session::begin`]: BEGIN goes out with the
+/// transaction's first statement, and the settle's statements go out with
+/// COMMIT, so a batch costs two round trips, not four. Pipelining keeps
+/// every guarantee of a transaction: Postgres runs the statements in order,
+/// and once one fails, the rest fail and COMMIT rolls back.
 pub(crate) struct PgTx<'a> {
-    tx: Transaction<'a>,
+    client: &'a Client,
     prepared: &'a Prepared,
     queries: &'a Queries,
+    /// BEGIN has been sent.
+    begun: bool,
+    /// The session's flag: set while this transaction is open.
+    dangling: &'a mut bool,
 }
 
 impl Store for PgStore {
@@ -193,6 +208,7 @@ impl Store for PgStore {
             client,
             prepared,
             queries: self.queries.clone(),
+            dangling: false,
         })
     }
 }
@@ -202,14 +218,57 @@ impl Session for PgSession {
 
     async fn begin(&mut self) -> Result<PgTx<'_>, StoreError> {
         Ok(PgTx {
-            tx: self.client.transaction().await?,
+            client: &self.client,
             prepared: &self.prepared,
             queries: &self.queries,
+            begun: false,
+            dangling: &mut self.dangling,
         })
     }
 
     fn is_closed(&self) -> bool {
         self.client.is_closed()
+    }
+}
+
+impl PgTx<'_> {
+    /// Runs `statement`, sending BEGIN (and the ROLLBACK of a transaction
+    /// left open before it) ahead of it in the same round trip if this is
+    /// the transaction's first.
+    async fn run<T>(
+        &mut self,
+        statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, StoreError> {
+        if self.begun {
+            return Ok(statement.await?);
+        }
+        self.begun = true;
+        let rollback_first = std::mem::replace(self.dangling, true);
+        let client = self.client;
+        // join! polls in order, and each future sends its request on its
+        // first poll: ROLLBACK, BEGIN, then the statement.
+        let (rolled_back, begun, result) = futures::join!(
+            async {
+                match rollback_first {
+                    true => client.batch_execute("ROLLBACK").await,
+                    false => Ok(()),
+                }
+            },
+            client.batch_execute("BEGIN"),
+            statement
+        );
+        rolled_back?;
+        begun?;
+        Ok(result?)
+    }
+
+    /// Ends the transaction with `end` (COMMIT or ROLLBACK).
+    async fn end(self, end: &str) -> Result<(), StoreError> {
+        if self.begun {
+            self.client.batch_execute(end).await?;
+        }
+        *self.dangling = false;
+        Ok(())
     }
 }
 
@@ -220,35 +279,54 @@ impl BatchTx for PgTx<'_> {
         partitions: &[i16],
         floor: i64,
     ) -> Result<Claimed, StoreError> {
-        Ok(self
-            .queries
-            .claim(&self.tx, self.prepared, limits, partitions, floor)
-            .await?)
+        let (q, client, prepared) = (self.queries, self.client, self.prepared);
+        let claim = q.claim(client, prepared, limits, partitions, floor);
+        self.run(claim).await
     }
 
-    async fn hold(&mut self, holds: &[(i64, SystemTime)]) -> Result<u64, StoreError> {
-        Ok(self.queries.hold(&self.tx, holds).await?)
-    }
-
-    async fn settle(&mut self, settle: Settle<'_>) -> Result<(), StoreError> {
-        let q = self.queries;
-        q.settle_published(&self.tx, self.prepared, settle.published)
-            .await?;
-        q.fail(&self.tx, settle.failed).await?;
-        q.hold(&self.tx, settle.holds).await?;
-        q.dead_letter(&self.tx, settle.dead).await?;
-        Ok(())
+    async fn settle_and_commit(self, settle: Settle<'_>) -> Result<u64, StoreError> {
+        if !self.begun {
+            // Nothing claimed, nothing to settle: there is no transaction.
+            self.end("COMMIT").await?;
+            return Ok(0);
+        }
+        let (q, client, prepared) = (self.queries, self.client, self.prepared);
+        // Each empty part sends nothing. An error in one makes Postgres fail
+        // the later ones and turn COMMIT into a rollback, so the first error
+        // is the answer and nothing was committed.
+        let (published, failed, held, dead, committed) = futures::join!(
+            q.settle_published(client, prepared, settle.published),
+            q.fail(client, settle.failed),
+            q.hold(client, settle.holds),
+            q.dead_letter(client, settle.dead),
+            client.batch_execute("COMMIT"),
+        );
+        published?;
+        failed?;
+        let held = held?;
+        dead?;
+        committed?;
+        *self.dangling = false;
+        Ok(held)
     }
 
     async fn note_batch_error(&mut self, seqs: &[i64], error: &str) -> Result<u64, StoreError> {
-        Ok(self.queries.note_batch_error(&self.tx, seqs, error).await?)
+        let (q, client) = (self.queries, self.client);
+        let statement = q.note_batch_error(client, seqs, error);
+        self.run(statement).await
     }
 
     async fn delete(&mut self, seqs: &[i64]) -> Result<u64, StoreError> {
-        Ok(self.queries.delete(&self.tx, seqs).await?)
+        let (q, client) = (self.queries, self.client);
+        let statement = q.delete(client, seqs);
+        self.run(statement).await
     }
 
     async fn commit(self) -> Result<(), StoreError> {
-        Ok(self.tx.commit().await?)
+        self.end("COMMIT").await
+    }
+
+    async fn rollback(self) -> Result<(), StoreError> {
+        self.end("ROLLBACK").await
     }
 }

@@ -1,5 +1,6 @@
 //! Conditions on the database side: late commits and rollbacks, NOTIFY on
-//! under load, and a session idle in a transaction that `status` must name.
+//! under load, a session idle in a transaction that `status` must name, and
+//! settles the database refuses.
 
 use std::time::{Duration, Instant};
 
@@ -9,7 +10,7 @@ use outbox_tests::process::RelayProcess;
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
 
-use super::{env_for, scale, settle, spec, stop, RELAY_BIN, TMP};
+use super::{env_for, scale, settle, spec, stop, BATCH, RELAY_BIN, TMP};
 
 /// Scenario 4: transactions held open for seconds commit after later ids were
 /// published (the commit-order gap); 10% roll back.
@@ -146,4 +147,99 @@ async fn s11_amqp_idle_in_transaction_blocker_is_named() {
 #[tokio::test]
 async fn s11_kafka_idle_in_transaction_blocker_is_named() {
     idle_in_transaction_blocker_is_named(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
+}
+
+/// The published count a relay exports, summed over destinations.
+fn published_count(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("outbox_messages_total{") && l.contains("result=\"published\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A settle Postgres refuses commits nothing. The relay sends a batch's
+/// settle statements and its COMMIT in one round trip; when one of them
+/// fails, COMMIT only rolls back, and the relay must take the batch as not
+/// settled: every row stays, goes to the broker again, and none counts as
+/// published, until the database lets the settle through.
+async fn refused_settle_commits_nothing(sink: Sink) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let db = TestDb::new().await;
+    let schema = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "CREATE FUNCTION {schema}.refuse_settle() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN RAISE EXCEPTION 'settle refused by the test'; END $$; \
+             CREATE TRIGGER refuse_settle BEFORE DELETE ON {} \
+               FOR EACH ROW EXECUTE FUNCTION {schema}.refuse_settle()",
+            db.table()
+        ))
+        .await
+        .expect("trigger");
+    let port = outbox_tests::free_port();
+    let mut env = env_for(&db, &sink, None);
+    env.push(("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")));
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let written = workload::run(&db.config, &db.outbox(), &spec(&sink, 1_000)).await;
+    let committed = written.committed.len();
+    // The oldest rows go to the broker again and again: each settle was
+    // refused, each batch claimed anew. (Claims take the oldest rows, so the
+    // later ones wait until a settle goes through.)
+    assert!(
+        outbox_tests::eventually(super::PATIENCE, || async {
+            let mut times: std::collections::HashMap<String, usize> = Default::default();
+            for d in sink.seen() {
+                *times.entry(d.message_id).or_default() += 1;
+            }
+            times.values().filter(|n| **n >= 3).count() >= BATCH
+        })
+        .await,
+        "the batches whose settle was refused were not published again"
+    );
+    assert_eq!(
+        db.pending().await,
+        committed as i64,
+        "a row left the outbox though its settle was refused"
+    );
+    let metrics = outbox_tests::http::scrape(port).await;
+    assert!(
+        metrics.contains("outbox_messages_total") || metrics.contains("outbox_build_info"),
+        "no metrics page on port {port}"
+    );
+    assert_eq!(
+        published_count(&metrics),
+        0.0,
+        "messages counted as published though every settle was refused"
+    );
+
+    db.client
+        .batch_execute(&format!("DROP TRIGGER refuse_settle ON {}", db.table()))
+        .await
+        .expect("drop trigger");
+    let report = settle(&db, &sink, &written).await;
+    record(
+        TMP,
+        &format!("{}: settles refused, then let through", sink.broker()),
+        &report,
+        started.elapsed(),
+        None,
+    );
+    assert!(report.is_clean(), "{report}");
+    assert!(
+        outbox_tests::eventually(super::PATIENCE, || async {
+            published_count(&outbox_tests::http::scrape(port).await) >= committed as f64
+        })
+        .await,
+        "the settles let through were not counted as published"
+    );
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s13_amqp_refused_settle_commits_nothing() {
+    refused_settle_commits_nothing(Sink::amqp().await).await;
 }

@@ -16,7 +16,7 @@
 use std::time::{Duration, SystemTime};
 
 use tokio_postgres::types::Type;
-use tokio_postgres::{Client, Row, Statement, Transaction};
+use tokio_postgres::{Client, Row, Statement};
 use uuid::Uuid;
 
 use crate::envelope::{Envelope, Receipt};
@@ -136,7 +136,7 @@ impl Queries {
     /// [`crate::source::floor`]); 0 when none is known.
     pub async fn claim(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Client,
         prepared: &Prepared,
         limits: &ClaimLimits,
         partitions: &[i16],
@@ -171,7 +171,7 @@ impl Queries {
     /// Sets rows aside until the given times (never brings one forward).
     pub async fn hold(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Client,
         holds: &[(i64, SystemTime)],
     ) -> Result<u64, tokio_postgres::Error> {
         if holds.is_empty() {
@@ -183,11 +183,7 @@ impl Queries {
     }
 
     /// Deletes rows the broker confirmed.
-    pub async fn delete(
-        &self,
-        tx: &Transaction<'_>,
-        seqs: &[i64],
-    ) -> Result<u64, tokio_postgres::Error> {
+    pub async fn delete(&self, tx: &Client, seqs: &[i64]) -> Result<u64, tokio_postgres::Error> {
         if seqs.is_empty() {
             return Ok(0);
         }
@@ -198,7 +194,7 @@ impl Queries {
     /// moves them to `published` with their receipts.
     pub async fn settle_published(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Client,
         prepared: &Prepared,
         published: &[(&Envelope, Receipt)],
     ) -> Result<u64, tokio_postgres::Error> {
@@ -232,7 +228,7 @@ impl Queries {
     /// Records one attempt's failure per row and schedules the next attempt.
     pub async fn fail(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Client,
         failures: &[(i64, String, Duration)],
     ) -> Result<u64, tokio_postgres::Error> {
         if failures.is_empty() {
@@ -248,7 +244,7 @@ impl Queries {
     /// Moves rows to the dead letters with their final error.
     pub async fn dead_letter(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Client,
         rows: &[(i64, String)],
     ) -> Result<u64, tokio_postgres::Error> {
         if rows.is_empty() {
@@ -264,7 +260,7 @@ impl Queries {
     /// attempt: an outage is not the message's fault.
     pub async fn note_batch_error(
         &self,
-        tx: &Transaction<'_>,
+        tx: &Client,
         seqs: &[i64],
         error: &str,
     ) -> Result<u64, tokio_postgres::Error> {
