@@ -3,8 +3,8 @@
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 
-use super::super::cloudevents::CloudEvents;
-use super::super::{Envelope, Rejection};
+use crate::publish::cloudevents::CloudEvents;
+use crate::publish::{Envelope, Rejection};
 
 /// Errors a retry can never fix.
 fn is_permanent(code: RDKafkaErrorCode) -> bool {
