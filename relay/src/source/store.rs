@@ -178,8 +178,11 @@ pub(crate) struct PgSession {
 /// One batch's Postgres transaction.
 ///
 /// Nothing is sent at [`Session::begin`]: BEGIN goes out with the
-/// transaction's first statement, and the settle's statements go out with
-/// COMMIT, so a batch costs two round trips, not four. Pipelining keeps
+/// transaction's first statement, and the confirmed rows' settle goes out
+/// with COMMIT, so a batch the broker confirmed costs two round trips, not
+/// four. Only statements prepared on the session may share a round trip
+/// with a later one: a statement given as text is prepared first, so it
+/// would be executed after what was sent beside it. Pipelining keeps
 /// every guarantee of a transaction: Postgres runs the statements in order,
 /// and once one fails, the rest fail and COMMIT rolls back.
 pub(crate) struct PgTx<'a> {
@@ -291,20 +294,22 @@ impl BatchTx for PgTx<'_> {
             return Ok(0);
         }
         let (q, client, prepared) = (self.queries, self.client, self.prepared);
-        // Each empty part sends nothing. An error in one makes Postgres fail
-        // the later ones and turn COMMIT into a rollback, so the first error
-        // is the answer and nothing was committed.
-        let (published, failed, held, dead, committed) = futures::join!(
+        // Statements given as SQL text are prepared first, one round trip
+        // each, and only then executed: pipelined beside COMMIT they would
+        // run after it, outside the transaction. So the rare parts (failed,
+        // held and dead rows) go one at a time; each sends nothing when
+        // empty, as it is for a batch the broker confirmed whole.
+        q.fail(client, settle.failed).await?;
+        let held = q.hold(client, settle.holds).await?;
+        q.dead_letter(client, settle.dead).await?;
+        // The confirmed rows' statement is prepared on the session, so it
+        // goes out with COMMIT. If it fails, Postgres turns COMMIT into a
+        // rollback: its error is the answer and nothing was committed.
+        let (published, committed) = futures::join!(
             q.settle_published(client, prepared, settle.published),
-            q.fail(client, settle.failed),
-            q.hold(client, settle.holds),
-            q.dead_letter(client, settle.dead),
             client.batch_execute("COMMIT"),
         );
         published?;
-        failed?;
-        let held = held?;
-        dead?;
         committed?;
         *self.dangling = false;
         Ok(held)
