@@ -239,6 +239,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let behind = claimed.blocked > holds.len();
         let batch = hooks::claimed(claimed.batch);
         if batch.is_empty() {
+            if holds.is_empty() {
+                tx.release();
+                return Ok(BatchEnd::Empty { behind });
+            }
             // Rows set aside behind a blocked head leave the fresh path, so
             // the next claim reaches the other keys at once.
             let held = tx

@@ -314,6 +314,8 @@ impl BatchTx for MemoryTx {
     async fn rollback(self) -> Result<(), StoreError> {
         Ok(()) // dropping releases the rows
     }
+
+    fn release(self) {} // dropping releases the rows
 }
 
 impl Drop for MemoryTx {

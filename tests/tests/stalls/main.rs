@@ -10,6 +10,7 @@ use std::time::Duration;
 
 mod blocked_head;
 mod floor;
+mod idle;
 mod outboxes;
 mod plans;
 mod refused;
