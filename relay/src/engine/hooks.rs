@@ -44,6 +44,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         tx.commit().await?;
         let _ = publish_in_waves(self.publisher.as_ref(), batch).await;
         self.stats.count(Event::Published, seqs.len() as u64);
-        Ok(BatchEnd::Settled { more: true })
+        Ok(BatchEnd::Settled {
+            more: true,
+            late: false,
+        })
     }
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 /// How the workers share the waiting while the outbox is idle: one of them at
 /// a time (the holder of `poller`) claims at pauses that grow from
-/// `poll_min` to `poll_interval`; the others stand by until `work` hands
-/// them something. A full batch, a notification (NOTIFY) or an ownership
+/// `poll_min` to `poll_interval`, and keeps the shortest pause while its
+/// claims find rows; the others stand by until `work` hands them something. A full batch, a notification (NOTIFY) or an ownership
 /// change wakes one more worker, never all of them for one row.
 #[derive(Clone, Default)]
 pub(super) struct Idle {
@@ -19,6 +19,9 @@ pub(super) struct Idle {
     /// back empty while the rows piled up. One at a time, each claim takes
     /// what the batches in flight left free.
     pub(super) claiming: Arc<tokio::sync::Mutex<()>>,
+    /// Ends the poller's pause: another worker found rows while the poller
+    /// waited out a pause that had grown while the outbox was empty.
+    pub(super) poll_now: Arc<tokio::sync::Notify>,
 }
 
 /// How long a standing-by worker waits at least before it claims anyway (or

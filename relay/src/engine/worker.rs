@@ -59,7 +59,9 @@ pub(super) enum BatchEnd {
     Empty { behind: bool },
     /// A batch was settled; `more` when more is probably waiting: the claim
     /// took as much as a batch may hold, or left rows behind another batch.
-    Settled { more: bool },
+    /// `late` when it took longer, from claim to settle, than the shortest
+    /// pause.
+    Settled { more: bool, late: bool },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -128,13 +130,30 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let mut idle = Backoff::new(self.settings.poll_min, self.settings.poll_interval);
         while !shutdown.is_cancelled() {
             match self.batch_until_grace(&mut db, shutdown).await {
-                Some(Ok(BatchEnd::Settled { more: true })) => {
+                Some(Ok(BatchEnd::Settled { more: true, .. })) => {
                     broker.reset();
                     idle.reset();
                     // Probably more waiting: bring one more worker in.
                     self.idle.work.notify_one();
                 }
-                Some(Ok(BatchEnd::Settled { more: false })) => {
+                Some(Ok(BatchEnd::Settled {
+                    more: false,
+                    late: false,
+                })) => {
+                    // A trickle: one worker at a time keeps the shortest
+                    // pause, so its batches gather what arrives meanwhile.
+                    broker.reset();
+                    idle.reset();
+                    self.poll_or_stand_by(&mut idle, true, shutdown).await;
+                }
+                Some(Ok(BatchEnd::Settled {
+                    more: false,
+                    late: true,
+                })) => {
+                    // Batches slower than the shortest pause (a slow broker,
+                    // a busy database): one poller would hold every claim
+                    // back behind its batch, so each worker keeps its own
+                    // pause and the claims overlap the confirms.
                     broker.reset();
                     idle.reset();
                     self.pause(idle.next_delay(), shutdown).await;
@@ -147,13 +166,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 }
                 Some(Ok(BatchEnd::Empty { behind: false })) => {
                     broker.reset();
-                    match self.idle.poller.clone().try_lock_owned() {
-                        Ok(_polling) => self.pause(idle.next_delay(), shutdown).await,
-                        Err(_) => {
-                            let standby = self.settings.poll_interval.max(STANDBY_RECHECK);
-                            self.pause(standby, shutdown).await
-                        }
-                    }
+                    self.poll_or_stand_by(&mut idle, false, shutdown).await;
                 }
                 Some(Err(BatchError::Publish(e))) => {
                     // Stats::note_broker logged the change of state.
@@ -180,6 +193,37 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             }
         }
         Ok(())
+    }
+
+    /// Pauses before the next claim after one that was not full (`found`
+    /// when it found rows): the next delay of `idle` if no other worker is
+    /// pausing to poll, else on standby until work is handed over (or the
+    /// standby recheck). Each worker keeping the shortest pause would claim
+    /// a trickle in batches that many times smaller, each with its own
+    /// round trips. A worker that found rows while another polls ends that
+    /// poller's pause, which may have grown while the outbox was empty.
+    async fn poll_or_stand_by(
+        &mut self,
+        idle: &mut Backoff,
+        found: bool,
+        shutdown: &CancellationToken,
+    ) {
+        match self.idle.poller.clone().try_lock_owned() {
+            Ok(_polling) => {
+                let poll_now = Arc::clone(&self.idle.poll_now);
+                tokio::select! {
+                    _ = self.pause(idle.next_delay(), shutdown) => {}
+                    _ = poll_now.notified() => idle.reset(),
+                }
+            }
+            Err(_) => {
+                if found {
+                    self.idle.poll_now.notify_one();
+                }
+                let standby = self.settings.poll_interval.max(STANDBY_RECHECK);
+                self.pause(standby, shutdown).await
+            }
+        }
     }
 
     /// Waits `pause`, or less when work is handed over, ownership changes or
@@ -254,7 +298,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 })
                 .await?;
             return Ok(if held > 0 {
-                BatchEnd::Settled { more: true }
+                BatchEnd::Settled {
+                    more: true,
+                    late: false,
+                }
             } else {
                 BatchEnd::Empty { behind }
             });
@@ -275,13 +322,19 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             .acquire_many(budget_share(bytes, self.payload_budget_kib))
             .await
         else {
-            return Ok(BatchEnd::Settled { more: true }); // closed: never, the relay owns it
+            return Ok(BatchEnd::Settled {
+                more: true,
+                late: false,
+            }); // closed: never, the relay owns it
         };
         // Wait for a slot: while `pipeline` batches are at the broker, this one
         // stays claimed and ready. The slot is the confirm window: it is given
         // back once the broker has answered, and the settle runs outside it.
         let Ok(slot) = self.in_flight.acquire().await else {
-            return Ok(BatchEnd::Settled { more: true }); // closed: never, the relay owns it
+            return Ok(BatchEnd::Settled {
+                more: true,
+                late: false,
+            }); // closed: never, the relay owns it
         };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
         // stall) may have lost its rows to another replica by now. Publishing
@@ -289,7 +342,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         if Instant::now() >= deadline {
             self.stats.count(Event::StaleBatch, 1);
             tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
-            return Ok(BatchEnd::Settled { more: true });
+            return Ok(BatchEnd::Settled {
+                more: true,
+                late: false,
+            });
         }
         self.stats.add_in_flight(batch.len() as i64);
         let publish_started = Instant::now();
@@ -382,6 +438,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             held = plan.held,
             "batch settled"
         );
-        Ok(BatchEnd::Settled { more })
+        let late = claimed_at.elapsed() >= self.settings.poll_min;
+        Ok(BatchEnd::Settled { more, late })
     }
 }

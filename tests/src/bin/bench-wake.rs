@@ -419,11 +419,22 @@ async fn latency(
             exchange
         }
     };
+    // The relay's metrics tell how many batches carried the messages.
+    let http_port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let batches = || async move {
+        outbox_tests::http::sample(
+            &outbox_tests::http::scrape(http_port).await,
+            "outbox_publish_seconds_count",
+        )
+        .unwrap_or(0.0)
+    };
     let mut relay = tokio::process::Command::new(&bin)
         .arg("run")
         .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
         .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
-        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .env("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{http_port}"))
         .env("OUTBOX_LOG", "warn")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(std::process::Stdio::null())
@@ -447,14 +458,15 @@ async fn latency(
         idle_for.as_secs()
     );
     println!(
-        "{:>8} {:>9} {:>9} {:>9} {:>9} {:>14}",
-        "rate/s", "sent", "p50 ms", "p99 ms", "max ms", "CPU s per 10k"
+        "{:>8} {:>9} {:>9} {:>9} {:>9} {:>14} {:>10}",
+        "rate/s", "sent", "p50 ms", "p99 ms", "max ms", "CPU s per 10k", "per batch"
     );
     let mut next_seq = 0usize;
     for &rate in rates {
         let total = (rate * seconds) as usize;
         commits.lock().expect("lock").resize(next_seq + total, None);
         let cpu_from = cpu_time_of(pid).unwrap_or_default();
+        let batches_from = batches().await;
         // Counted, not copied: a copy of every delivery each time round the
         // wait below would take the machine from the relay it measures.
         let received = || match &rabbit {
@@ -504,15 +516,17 @@ async fn latency(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let cpu = cpu_time_of(pid).unwrap_or_default() - cpu_from;
+        let batches = batches().await - batches_from;
         let l = latencies(&rabbit, &receipts, &commits, next_seq);
         println!(
-            "{:>8} {:>9} {:>9.1} {:>9.1} {:>9.1} {:>14.2}   (writers kept {:.0}/s; {} received)",
+            "{:>8} {:>9} {:>9.1} {:>9.1} {:>9.1} {:>14.2} {:>10.1}   (writers kept {:.0}/s; {} received)",
             rate,
             total,
             percentile(&l, 0.5),
             percentile(&l, 0.99),
             l.last().copied().unwrap_or(f64::NAN),
             cpu.as_secs_f64() / total as f64 * 10_000.0,
+            total as f64 / batches.max(1.0),
             total as f64 / wrote.as_secs_f64(),
             l.len()
         );

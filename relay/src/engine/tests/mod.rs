@@ -36,6 +36,10 @@ struct Broker {
     answer_after: Mutex<Duration>,
     stalled: AtomicBool,
     down: AtomicBool,
+    /// Batches waiting for their answer now.
+    in_flight: AtomicUsize,
+    /// Batches that arrived while another was waiting for its answer.
+    overlapped: AtomicUsize,
 }
 
 impl Broker {
@@ -57,9 +61,13 @@ impl Publisher for Broker {
             std::future::pending::<()>().await;
         }
         let after = *self.answer_after.lock().unwrap_or_else(|p| p.into_inner());
+        if self.in_flight.fetch_add(1, Ordering::Relaxed) > 0 {
+            self.overlapped.fetch_add(1, Ordering::Relaxed);
+        }
         if !after.is_zero() {
             tokio::time::sleep(after).await;
         }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
         let now = Instant::now();
         self.answered
             .lock()
