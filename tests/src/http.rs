@@ -37,3 +37,15 @@ pub fn sample(metrics: &str, prefix: &str) -> Option<f64> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .reduce(|a, b| a + b)
 }
+
+/// The messages a relay counted as published, over every destination:
+/// `outbox_messages_total` lines labelled `result="published"`. (The relay
+/// writes `destination` before `result`, so [`sample`]'s prefix cannot pick
+/// them out.)
+pub fn published(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("outbox_messages_total{") && l.contains("result=\"published\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -577,17 +577,6 @@ struct Drained {
     cpu: Duration,
 }
 
-/// Messages the relay listening on `port` has counted as published (0 while
-/// its endpoint does not answer).
-async fn published(port: u16) -> u64 {
-    outbox_tests::http::scrape(port)
-        .await
-        .lines()
-        .filter(|l| l.starts_with("outbox_messages_total{") && l.contains("result=\"published\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 /// Runs the relay process with `env` added until the outbox is empty (or,
 /// with `expected` 0, for 3 s idle). `halfway` runs once when half the rows
 /// are gone, while the relay keeps draining.
@@ -643,7 +632,10 @@ where
         let left = match metrics_port {
             // Settled rows are counted after their transaction commits, so
             // once all are counted the outbox is empty (checked below).
-            Some(port) => expected as i64 - published(port).await as i64,
+            Some(port) => {
+                let metrics = outbox_tests::http::scrape(port).await;
+                expected as i64 - outbox_tests::http::published(&metrics) as i64
+            }
             None => count_rows().await?,
         };
         if left <= 0 || expected == 0 {

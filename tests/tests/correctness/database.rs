@@ -149,15 +149,6 @@ async fn s11_kafka_idle_in_transaction_blocker_is_named() {
     idle_in_transaction_blocker_is_named(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
-/// The published count a relay exports, summed over destinations.
-fn published_count(metrics: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("outbox_messages_total{") && l.contains("result=\"published\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// A settle Postgres refuses commits nothing. The relay sends a batch's
 /// settle statements and its COMMIT in one round trip; when one of them
 /// fails, COMMIT only rolls back, and the relay must take the batch as not
@@ -209,7 +200,7 @@ async fn refused_settle_commits_nothing(sink: Sink) {
         "no metrics page on port {port}"
     );
     assert_eq!(
-        published_count(&metrics),
+        outbox_tests::http::published(&metrics),
         0.0,
         "messages counted as published though every settle was refused"
     );
@@ -229,7 +220,8 @@ async fn refused_settle_commits_nothing(sink: Sink) {
     assert!(report.is_clean(), "{report}");
     assert!(
         outbox_tests::eventually(super::PATIENCE, || async {
-            published_count(&outbox_tests::http::scrape(port).await) >= committed as f64
+            outbox_tests::http::published(&outbox_tests::http::scrape(port).await)
+                >= committed as f64
         })
         .await,
         "the settles let through were not counted as published"

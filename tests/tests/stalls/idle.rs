@@ -36,6 +36,15 @@ async fn open_transactions(db: &TestDb) -> Vec<(i32, String)> {
         .collect()
 }
 
+/// Enqueues one message to the fixture's exchange.
+async fn send(db: &TestDb, rabbit: &Fixture, payload: &str) {
+    let m = Message::builder(rabbit.exchange.as_str())
+        .payload(payload.as_bytes().to_vec())
+        .build()
+        .expect("valid");
+    db.outbox().enqueue(&db.client, &m).await.expect("enqueue");
+}
+
 /// Before the relay ended an empty poll's transaction unawaited, each poll
 /// waited for COMMIT. A version that only forgot the transaction, without
 /// sending its end, left one transaction open across every poll: it was
@@ -54,14 +63,7 @@ async fn an_idle_relay_leaves_no_transaction_open_between_polls() {
         },
     );
     // Warm up: the relay has its partitions and has polled a while.
-    let first = Message::builder(rabbit.exchange.as_str())
-        .payload(b"first".to_vec())
-        .build()
-        .expect("valid");
-    db.outbox()
-        .enqueue(&db.client, &first)
-        .await
-        .expect("enqueue");
+    send(&db, &rabbit, "first").await;
     rabbit.expect_at_least(1, PATIENCE).await;
 
     // The same transaction seen in many samples spread over seconds is one
@@ -83,14 +85,7 @@ async fn an_idle_relay_leaves_no_transaction_open_between_polls() {
     );
 
     // The sessions still work: a message sent now goes out.
-    let second = Message::builder(rabbit.exchange.as_str())
-        .payload(b"second".to_vec())
-        .build()
-        .expect("valid");
-    db.outbox()
-        .enqueue(&db.client, &second)
-        .await
-        .expect("enqueue");
+    send(&db, &rabbit, "second").await;
     rabbit.expect_at_least(2, PATIENCE).await;
     assert_eq!(db.count("messages").await, 0, "the outbox did not drain");
 
