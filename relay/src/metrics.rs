@@ -18,6 +18,8 @@ pub const BATCH_FAILURES: &str = "outbox_batch_failures_total";
 pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
 /// Seconds one batch spent waiting for the broker.
 pub const PUBLISH: &str = "outbox_publish_seconds";
+/// Seconds one claim statement took, whether it found rows or not.
+pub const CLAIM: &str = "outbox_claim_seconds";
 /// Rows waiting, by `destination` (database-wide; one replica exports it).
 pub const BACKLOG: &str = "outbox_backlog_messages";
 /// Age of the oldest waiting row, by `destination` (database-wide).
@@ -51,6 +53,7 @@ pub const ALL: &[&str] = &[
     BATCH_FAILURES,
     COMMIT_TO_CONFIRM,
     PUBLISH,
+    CLAIM,
     BACKLOG,
     OLDEST_PENDING,
     RETRIES,
@@ -76,6 +79,7 @@ const HELP: &[(&str, &str)] = &[
     (BATCH_FAILURES, "Batches that failed as a whole (broker unreachable or no confirm in time); their rows are published again and no attempt is counted."),
     (COMMIT_TO_CONFIRM, "Seconds from a row's commit to the broker's confirm."),
     (PUBLISH, "Seconds one batch spent waiting for the broker's answers."),
+    (CLAIM, "Seconds one claim statement took in Postgres, round trip included, whether it found rows or not; claims are taken one at a time per replica."),
     (BACKLOG, "Messages waiting in the outbox, by destination (database-wide, from one replica)."),
     (OLDEST_PENDING, "Age in seconds of the oldest waiting message, by destination (database-wide, from one replica)."),
     (RETRIES, "Rejected attempts that will be retried."),

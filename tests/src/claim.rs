@@ -17,6 +17,8 @@ pub struct ClaimCost {
     pub buffers: u64,
     /// Temporary file blocks written (a sort or hash that spilled to disk).
     pub temp_written: u64,
+    /// Milliseconds Postgres spent compiling the claim with JIT, if it did.
+    pub jit_ms: Option<f64>,
 }
 
 /// The claim's arguments: 500 rows, all 64 partitions, 8 MiB, 60 s park
@@ -42,9 +44,21 @@ impl ClaimSession {
         config: &tokio_postgres::Config,
         schema: &SchemaName,
     ) -> anyhow::Result<Self> {
+        Self::open_with(config, schema, "").await
+    }
+
+    /// [`ClaimSession::open`], then `settings` (SQL) run on the session
+    /// before the claim is prepared: a session set up otherwise than the
+    /// relay's, for a baseline.
+    pub async fn open_with(
+        config: &tokio_postgres::Config,
+        schema: &SchemaName,
+        settings: &str,
+    ) -> anyhow::Result<Self> {
         let queries = Queries::new(schema, true, false);
         let client =
             outbox_relay::source::connect(&config.clone().into(), Duration::from_secs(60)).await?;
+        client.batch_execute(settings).await?;
         queries.prepare(&client).await?;
         client
             .batch_execute(&format!(
@@ -88,6 +102,7 @@ impl ClaimSession {
             ms: plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN),
             buffers: blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?,
             temp_written: blocks("Temp Written Blocks")?,
+            jit_ms: plan[0]["JIT"]["Timing"]["Total"].as_f64(),
         };
         Ok((cost, seqs))
     }

@@ -276,6 +276,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let deadline = claimed_at + self.settings.hold_limit / 2;
         let claimed = tx.claim(&limits, &partitions, self.floor.get()).await?;
         drop(claiming);
+        metrics::histogram!(crate::metrics::CLAIM).record(claimed_at.elapsed().as_secs_f64());
         if !claimed.batch.is_empty() || claimed.blocked > 0 {
             self.floor.note_claim();
         }

@@ -628,16 +628,46 @@ where
             .await
             .map(|r| r.get::<_, i64>(0))
     };
+    // OUTBOX_BENCH_TRACE=1 prints the rate of each tenth of the drain to
+    // stderr: a drain that slows as it goes and one that is slow throughout
+    // have different causes.
+    let trace = std::env::var_os("OUTBOX_BENCH_TRACE").is_some();
+    let (mut tenth, mut tenth_at, mut tenth_done) = (1usize, Instant::now(), 0i64);
+    let mut tenth_timings = [0.0; 4];
     loop {
+        let mut metrics = String::new();
         let left = match metrics_port {
             // Settled rows are counted after their transaction commits, so
             // once all are counted the outbox is empty (checked below).
             Some(port) => {
-                let metrics = outbox_tests::http::scrape(port).await;
+                metrics = outbox_tests::http::scrape(port).await;
                 expected as i64 - outbox_tests::http::published(&metrics) as i64
             }
             None => count_rows().await?,
         };
+        let done = expected as i64 - left;
+        if trace && expected > 0 && done as usize >= expected * tenth / 10 {
+            // Claims and publishes in this tenth: count and mean time each.
+            let timings = [
+                "outbox_claim_seconds_count",
+                "outbox_claim_seconds_sum",
+                "outbox_publish_seconds_count",
+                "outbox_publish_seconds_sum",
+            ]
+            .map(|m| outbox_tests::http::sample(&metrics, m).unwrap_or(0.0));
+            let d: Vec<f64> = (0..4).map(|i| timings[i] - tenth_timings[i]).collect();
+            eprintln!(
+                "  {expected}: tenth {tenth} at {:.1} s, {:.0} msgs/s; {:.0} claims of {:.2} ms; {:.0} batches at the broker for {:.2} ms",
+                started.elapsed().as_secs_f64(),
+                (done - tenth_done) as f64 / tenth_at.elapsed().as_secs_f64(),
+                d[0],
+                d[1] / d[0].max(1.0) * 1000.0,
+                d[2],
+                d[3] / d[2].max(1.0) * 1000.0,
+            );
+            (tenth, tenth_at, tenth_done, tenth_timings) =
+                (tenth + 1, Instant::now(), done, timings);
+        }
         if left <= 0 || expected == 0 {
             break;
         }
