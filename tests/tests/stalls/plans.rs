@@ -106,7 +106,8 @@ async fn the_claim_is_never_jit_compiled() {
     enqueue(&db, 0, 1_000).await;
     let mut config = db.config.clone();
     config.options("-c jit_above_cost=0");
-    // The baseline: the same session with JIT as the server has it.
+    // The baseline: the relay's session with JIT turned back on, as it was
+    // before the relay turned it off.
     let compiled = ClaimSession::open_with(&config, &db.schema, "SET jit = on")
         .await
         .expect("session")
