@@ -48,6 +48,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V10__claim_floor",
         include_str!("../../migrations/V10__claim_floor.sql"),
     ),
+    (
+        "V11__waiting_by_key",
+        include_str!("../../migrations/V11__waiting_by_key.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

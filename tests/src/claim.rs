@@ -108,6 +108,24 @@ impl ClaimSession {
     }
 }
 
+impl ClaimSession {
+    /// Runs the claim at `floor` in a transaction rolled back afterwards:
+    /// each row it returns as (seq, blocked), blocked rows being those held
+    /// back behind an older row of their key (or a paused destination).
+    pub async fn verdicts(&self, floor: i64) -> anyhow::Result<Vec<(i64, bool)>> {
+        let client = &self.client;
+        client.batch_execute("BEGIN").await?;
+        let rows = client
+            .query(&format!("EXECUTE claim({})", args(floor)), &[])
+            .await?
+            .iter()
+            .map(|r| (r.get::<_, i64>("seq"), r.get::<_, bool>("blocked")))
+            .collect();
+        client.batch_execute("ROLLBACK").await?;
+        Ok(rows)
+    }
+}
+
 /// [`ClaimSession::run`] on a session of its own.
 pub async fn run_claim(
     config: &tokio_postgres::Config,

@@ -33,7 +33,10 @@ impl Queries {
             // The head-of-key probe looks for an older row of the key in two
             // places, for the same reason: at or above the floor, any row;
             // below it, where no fresh row can be, only the rows that wait
-            // (their own index, `messages_waiting_key_seq`). It runs once per
+            // (their own index, `messages_waiting_by_key`: `<>` in its
+            // predicate and here keeps `messages_due`, whose predicate says
+            // `>`, from standing in for it and reading every waiting row for
+            // each key; see migration V11). It runs once per
             // key, on the key's newest kept row, and window functions carry
             // what it found to the key's other rows. No step joins two of
             // these sets to each other: with no statistics (a table never
@@ -98,7 +101,7 @@ impl Queries {
                             UNION ALL \
                             (SELECT p.seq, p.next_attempt_at FROM {t} p \
                              WHERE p.ordering_key = m.ordering_key AND p.seq < least($5, m.top) \
-                               AND p.next_attempt_at > '-infinity' \
+                               AND p.next_attempt_at <> '-infinity' \
                                AND p.seq NOT IN (SELECT seq FROM kept) \
                              ORDER BY p.seq LIMIT 1)) o \
                         WHERE m.ordering_key IS NOT NULL AND m.seq = m.top \
