@@ -299,9 +299,30 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
     let db = TestDb::new().await;
     outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
     fill_outbox(&db, &relay_topic, args).await?;
+    // OUTBOX_BENCH_TRACE=1: the relay's claim and broker times over the
+    // drain, from its own histograms (recorded in this process).
+    let recorder = std::env::var_os("OUTBOX_BENCH_TRACE")
+        .and_then(|_| outbox_relay::metrics::install("kafka").ok());
     let started = Instant::now();
     let relay = outbox_tests::InProcessRelay::kafka(&db, &brokers, &[], relay_settings(args));
     let drain = drain_with(vec![relay], args.messages, started).await;
+    if let Some(handle) = recorder {
+        let m = handle.render();
+        let [claims, claim_s, batches, publish_s] = [
+            "outbox_claim_seconds_count",
+            "outbox_claim_seconds_sum",
+            "outbox_publish_seconds_count",
+            "outbox_publish_seconds_sum",
+        ]
+        .map(|name| outbox_tests::http::sample(&m, name).unwrap_or(0.0));
+        let secs = args.messages as f64 / drain;
+        eprintln!(
+            "  {claims:.0} claims of {:.2} ms ({:.0} % of the drain); {batches:.0} batches at the broker for {:.2} ms",
+            claim_s / claims.max(1.0) * 1000.0,
+            claim_s / secs * 100.0,
+            publish_s / batches.max(1.0) * 1000.0,
+        );
+    }
     println!("{:<44} {:>10} {:>8}", "kafka (tansu)", "msgs/s", "vs raw");
     println!(
         "{:<44} {:>10.0} {:>8}",
