@@ -274,8 +274,13 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // other claim at half the hold limit.)
         let claimed_at = Instant::now();
         let deadline = claimed_at + self.settings.hold_limit / 2;
-        let claimed = tx.claim(&limits, &partitions, self.floor.get()).await?;
-        drop(claiming);
+        // The next claim may start once this one's rows are locked, while
+        // they are still on their way here.
+        let claimed = tx
+            .claim(&limits, &partitions, self.floor.get(), move || {
+                drop(claiming)
+            })
+            .await?;
         metrics::histogram!(crate::metrics::CLAIM).record(claimed_at.elapsed().as_secs_f64());
         if !claimed.batch.is_empty() || claimed.blocked > 0 {
             self.floor.note_claim();

@@ -212,11 +212,12 @@ impl Session for MemorySession {
 }
 
 impl BatchTx for MemoryTx {
-    async fn claim(
-        &mut self,
-        limits: &ClaimLimits,
-        _partitions: &[i16],
+    async fn claim<'a>(
+        &'a mut self,
+        limits: &'a ClaimLimits,
+        _partitions: &'a [i16],
         _floor: i64,
+        locked: impl FnOnce() + Send + 'a,
     ) -> Result<Claimed, StoreError> {
         let extra = {
             let mut s = self.store.state();
@@ -262,6 +263,7 @@ impl BatchTx for MemoryTx {
             claimed.batch.push(row.envelope.clone());
         }
         s.claims.push((now, taken.len()));
+        locked();
         Ok(claimed)
     }
 

@@ -49,12 +49,15 @@ pub(crate) trait Session: Send {
 pub(crate) trait BatchTx: Send {
     /// Locks and returns the oldest ready rows of `partitions`, up to
     /// `limits`; rows below `floor` are not looked at as fresh rows (see
-    /// [`crate::source::floor`]).
+    /// [`crate::source::floor`]). `locked` runs once the rows taken are
+    /// locked, which may be before they have all been received: another
+    /// claim can start from then on.
     fn claim<'a>(
         &'a mut self,
         limits: &'a ClaimLimits,
         partitions: &'a [i16],
         floor: i64,
+        locked: impl FnOnce() + Send + 'a,
     ) -> impl Future<Output = Result<Claimed, StoreError>> + Send + 'a;
 
     /// Settles a batch and commits, in one round trip where the store can:
@@ -285,14 +288,15 @@ impl PgTx<'_> {
 }
 
 impl BatchTx for PgTx<'_> {
-    async fn claim(
-        &mut self,
-        limits: &ClaimLimits,
-        partitions: &[i16],
+    async fn claim<'a>(
+        &'a mut self,
+        limits: &'a ClaimLimits,
+        partitions: &'a [i16],
         floor: i64,
+        locked: impl FnOnce() + Send + 'a,
     ) -> Result<Claimed, StoreError> {
         let (q, client, prepared) = (self.queries, self.client, self.prepared);
-        let claim = q.claim(client, prepared, limits, partitions, floor);
+        let claim = q.claim(client, prepared, limits, partitions, floor, locked);
         self.run(claim).await
     }
 

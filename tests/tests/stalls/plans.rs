@@ -298,3 +298,98 @@ async fn the_claim_is_never_jit_compiled() {
     );
     db.cleanup().await;
 }
+
+/// A relay runs one claim at a time, and lets the next start as soon as the
+/// running one's rows are locked (its `locked` callback), before they have
+/// all reached the relay: the claim's last step sorts every row, so the
+/// first to arrive means its locking scans are done. A claim started from
+/// that callback must then find the first claim's rows all taken, and take
+/// the next ones, not some of the same oldest rows.
+#[tokio::test]
+async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() {
+    use outbox_relay::source::claim::{ClaimLimits, Queries};
+    use std::time::Duration;
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    enqueue(&db, 0, 1_000).await; // 1,000 keys, one row each
+    let queries = Queries::new(&db.schema, true, false);
+    let session = || async {
+        let client =
+            outbox_relay::source::connect(&db.config.clone().into(), Duration::from_secs(60))
+                .await
+                .expect("connect");
+        let prepared = queries.prepare(&client).await.expect("prepare");
+        client.batch_execute("BEGIN").await.expect("begin");
+        (client, prepared)
+    };
+    let (first, first_prepared) = session().await;
+    let (second, second_prepared) = session().await;
+    let limits = ClaimLimits {
+        rows: 500,
+        bytes: 8 << 20,
+        park_recheck: Duration::from_secs(60),
+    };
+    let partitions: Vec<i16> = (0..64).collect();
+    let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
+    let mut calls = 0;
+    let (a, b) = tokio::join!(
+        queries.claim(&first, &first_prepared, &limits, &partitions, 0, || {
+            calls += 1;
+            let _ = locked_tx.send(());
+        }),
+        async {
+            locked_rx
+                .await
+                .expect("the first claim says when it has locked");
+            queries
+                .claim(&second, &second_prepared, &limits, &partitions, 0, || {})
+                .await
+        }
+    );
+    let seqs = |c: outbox_relay::source::claim::Claimed| -> Vec<i64> {
+        assert_eq!(
+            c.blocked, 0,
+            "every key has one row: nothing waits behind another"
+        );
+        c.batch.iter().map(|e| e.seq).collect()
+    };
+    let (a, b) = (
+        seqs(a.expect("first claim")),
+        seqs(b.expect("second claim")),
+    );
+    assert_eq!(calls, 1, "locked runs once");
+    let lowest: i64 = db
+        .client
+        .query_one(&format!("SELECT min(seq) FROM {}", db.table()), &[])
+        .await
+        .expect("min")
+        .get(0);
+    assert_eq!(
+        a,
+        (lowest..lowest + 500).collect::<Vec<_>>(),
+        "the first claim takes the oldest 500"
+    );
+    assert_eq!(
+        b,
+        (lowest + 500..lowest + 1_000).collect::<Vec<_>>(),
+        "the second takes the next 500"
+    );
+    // A claim that finds nothing says so too, when its statement ends.
+    let mut empty_calls = 0;
+    let none = queries
+        .claim(
+            &first,
+            &first_prepared,
+            &limits,
+            &partitions,
+            lowest + 1_000,
+            || empty_calls += 1,
+        )
+        .await
+        .expect("empty claim");
+    assert!(none.batch.is_empty());
+    assert_eq!(empty_calls, 1, "locked runs for an empty claim too");
+    // The open transactions hold row locks the schema's drop would wait on.
+    drop((first, second));
+    db.cleanup().await;
+}

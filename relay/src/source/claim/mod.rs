@@ -15,7 +15,8 @@
 
 use std::time::{Duration, SystemTime};
 
-use tokio_postgres::types::Type;
+use futures::TryStreamExt;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row, Statement};
 use uuid::Uuid;
 
@@ -134,6 +135,12 @@ impl Queries {
     /// to be set aside with [`Queries::hold`] in the same transaction.
     /// `floor` is a seq below which no fresh row exists (see
     /// [`crate::source::floor`]); 0 when none is known.
+    ///
+    /// `locked` runs once every row this claim takes is locked: when the
+    /// first row arrives (the statement's last step sorts them all, so by
+    /// then its locking scans have run to the end), or when the statement
+    /// ends with none. A claim that follows from then on skips these rows,
+    /// while this one still receives and decodes them.
     pub async fn claim(
         &self,
         tx: &Client,
@@ -141,29 +148,30 @@ impl Queries {
         limits: &ClaimLimits,
         partitions: &[i16],
         floor: i64,
+        locked: impl FnOnce(),
     ) -> Result<Claimed, tokio_postgres::Error> {
-        let rows = tx
-            .query(
-                &prepared.claim,
-                &[
-                    &limits.rows,
-                    &partitions,
-                    &limits.bytes,
-                    &limits.park_recheck.as_secs_f64(),
-                    &floor,
-                ],
-            )
-            .await?;
+        let recheck = limits.park_recheck.as_secs_f64();
+        let params: [&(dyn ToSql + Sync); 5] =
+            [&limits.rows, &partitions, &limits.bytes, &recheck, &floor];
+        let rows = tx.query_raw(&prepared.claim, params).await?;
+        futures::pin_mut!(rows);
+        let mut locked = Some(locked);
         let mut claimed = Claimed::default();
-        for row in &rows {
+        while let Some(row) = rows.try_next().await? {
+            if let Some(locked) = locked.take() {
+                locked();
+            }
             if row.try_get::<_, bool>("blocked")? {
                 claimed.blocked += 1;
                 if let Some(until) = row.try_get::<_, Option<SystemTime>>("hold_until")? {
                     claimed.holds.push((row.try_get("seq")?, until));
                 }
             } else {
-                claimed.batch.push(envelope(row)?);
+                claimed.batch.push(envelope(&row)?);
             }
+        }
+        if let Some(locked) = locked.take() {
+            locked();
         }
         Ok(claimed)
     }
