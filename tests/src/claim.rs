@@ -84,14 +84,13 @@ impl ClaimSession {
             )
             .await?
             .get(0);
-        client.batch_execute("ROLLBACK; BEGIN").await?;
-        let seqs = client
-            .query(&format!("EXECUTE claim({})", args(floor)), &[])
-            .await?
-            .iter()
-            .map(|r| r.get::<_, i64>("seq"))
-            .collect();
         client.batch_execute("ROLLBACK").await?;
+        let seqs = self
+            .verdicts(floor)
+            .await?
+            .into_iter()
+            .map(|v| v.0)
+            .collect();
         let top = &plan[0]["Plan"];
         let blocks = |k: &str| {
             top[k]
@@ -106,9 +105,7 @@ impl ClaimSession {
         };
         Ok((cost, seqs))
     }
-}
 
-impl ClaimSession {
     /// Runs the claim at `floor` in a transaction rolled back afterwards:
     /// each row it returns as (seq, blocked), blocked rows being those held
     /// back behind an older row of their key (or a paused destination).

@@ -241,6 +241,18 @@ async fn drain_with(
     r
 }
 
+/// From a relay's metrics: its claims' count and total seconds, then its
+/// batches' count and total seconds at the broker.
+fn batch_timings(metrics: &str) -> [f64; 4] {
+    [
+        "outbox_claim_seconds_count",
+        "outbox_claim_seconds_sum",
+        "outbox_publish_seconds_count",
+        "outbox_publish_seconds_sum",
+    ]
+    .map(|name| outbox_tests::http::sample(metrics, name).unwrap_or(0.0))
+}
+
 /// Raw idempotent producer versus the relay, to tansu (or any Kafka-protocol
 /// broker at OUTBOX_TEST_KAFKA_BROKERS).
 async fn kafka(args: &Args) -> anyhow::Result<()> {
@@ -308,13 +320,7 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
     let drain = drain_with(vec![relay], args.messages, started).await;
     if let Some(handle) = recorder {
         let m = handle.render();
-        let [claims, claim_s, batches, publish_s] = [
-            "outbox_claim_seconds_count",
-            "outbox_claim_seconds_sum",
-            "outbox_publish_seconds_count",
-            "outbox_publish_seconds_sum",
-        ]
-        .map(|name| outbox_tests::http::sample(&m, name).unwrap_or(0.0));
+        let [claims, claim_s, batches, publish_s] = batch_timings(&m);
         let secs = args.messages as f64 / drain;
         eprintln!(
             "  {claims:.0} claims of {:.2} ms ({:.0} % of the drain); {batches:.0} batches at the broker for {:.2} ms",
@@ -678,13 +684,7 @@ where
         }
         if trace && expected > 0 && done as usize >= expected * tenth / 10 {
             // Claims and publishes in this tenth: count and mean time each.
-            let timings = [
-                "outbox_claim_seconds_count",
-                "outbox_claim_seconds_sum",
-                "outbox_publish_seconds_count",
-                "outbox_publish_seconds_sum",
-            ]
-            .map(|m| outbox_tests::http::sample(&metrics, m).unwrap_or(0.0));
+            let timings = batch_timings(&metrics);
             let d: [f64; 4] = std::array::from_fn(|i| timings[i] - tenth_timings[i]);
             eprintln!(
                 "  {expected}: tenth {tenth} at {:.1} s, {:.0} msgs/s; {:.0} claims of {:.2} ms; {:.0} batches at the broker for {:.2} ms",

@@ -30,6 +30,33 @@ async fn enqueue_keyed(db: &TestDb, from: usize, to: usize, prefix: &str) {
     }
 }
 
+/// Whatever the machine's autovacuum does, this table is never vacuumed or
+/// analyzed by it.
+async fn never_autovacuumed(db: &TestDb) {
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE {} SET (autovacuum_enabled = off)",
+            db.table()
+        ))
+        .await
+        .expect("alter");
+}
+
+/// The oldest fresh row's seq: the claim floor, with nothing in flight.
+async fn oldest_fresh(db: &TestDb) -> i64 {
+    db.client
+        .query_one(
+            &format!(
+                "SELECT min(seq) FROM {} WHERE next_attempt_at = '-infinity'",
+                db.table()
+            ),
+            &[],
+        )
+        .await
+        .expect("floor")
+        .get(0)
+}
+
 /// With no statistics, the generic plan a relay session makes at its first
 /// claim, and keeps, believed every set small. At 1,000 rows it ran the
 /// head-of-key probes once per claimed row and key (250,000 index probes,
@@ -41,14 +68,7 @@ async fn enqueue_keyed(db: &TestDb, from: usize, to: usize, prefix: &str) {
 async fn claim_cost_stays_flat_as_the_backlog_grows_with_no_statistics() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    // Whatever the machine's autovacuum does, this table is never analyzed.
-    db.client
-        .batch_execute(&format!(
-            "ALTER TABLE {} SET (autovacuum_enabled = off)",
-            db.table()
-        ))
-        .await
-        .expect("alter");
+    never_autovacuumed(&db).await;
     // The session plans its claim at a small backlog, as a relay started
     // beside a young outbox does, and keeps the plan as the backlog grows.
     enqueue(&db, 0, 1_000).await;
@@ -115,13 +135,7 @@ enum Statistics {
 async fn waiting_below_the_floor(statistics: Statistics) {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    db.client
-        .batch_execute(&format!(
-            "ALTER TABLE {} SET (autovacuum_enabled = off)",
-            db.table()
-        ))
-        .await
-        .expect("alter");
+    never_autovacuumed(&db).await;
     // Planned while nothing waits, as a relay started beside a healthy
     // outbox; the session keeps that plan.
     if statistics == Statistics::Analyzed {
@@ -156,18 +170,7 @@ async fn waiting_below_the_floor(statistics: Statistics) {
         .await
         .expect("set waiting");
     enqueue(&db, 20_000, 21_000).await;
-    let floor: i64 = db
-        .client
-        .query_one(
-            &format!(
-                "SELECT min(seq) FROM {} WHERE next_attempt_at = '-infinity'",
-                db.table()
-            ),
-            &[],
-        )
-        .await
-        .expect("floor")
-        .get(0);
+    let floor = oldest_fresh(&db).await;
     let (waiting, taken) = session.run(floor).await.expect("claim");
     assert_eq!(taken.len(), 500, "a full batch");
     assert!(
@@ -217,18 +220,7 @@ async fn a_waiting_row_below_the_floor_holds_its_key_back_with_or_without_v11() 
                 .await
                 .expect("insert");
         }
-        let floor: i64 = db
-            .client
-            .query_one(
-                &format!(
-                    "SELECT min(seq) FROM {} WHERE next_attempt_at = '-infinity'",
-                    db.table()
-                ),
-                &[],
-            )
-            .await
-            .expect("floor")
-            .get(0);
+        let floor = oldest_fresh(&db).await;
         let session = ClaimSession::open(&db.config, &db.schema)
             .await
             .expect("session");
