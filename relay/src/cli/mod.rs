@@ -17,6 +17,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cli.runtime_threads.into())
         .enable_all()
         .build()
     {

@@ -29,6 +29,21 @@ pub struct Cli {
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
+    /// Threads of the relay's async runtime. The relay mostly waits on
+    /// Postgres and the broker, and Kafka's client and the AMQP connection
+    /// each run on threads of their own, so one is the default: at 1,000
+    /// msg/s a second thread cost a tenth more CPU per message, spent on
+    /// waking threads, and no drain measured faster with it
+    /// (docs/benchmarks.md, "One runtime thread"). Raise it when the relay
+    /// process's own CPU, as its container or `top` shows it, nears one core.
+    #[arg(
+        long,
+        env = "OUTBOX_RUNTIME_THREADS",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u16).range(1..=1024),
+        global = true
+    )]
+    pub runtime_threads: u16,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,

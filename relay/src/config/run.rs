@@ -339,6 +339,24 @@ mod tests {
     }
 
     #[test]
+    fn one_runtime_thread_unless_asked() {
+        let cli = Cli::try_parse_from(["outbox-relay", "run"]).expect("defaults parse");
+        assert_eq!(cli.runtime_threads, 1);
+        // Global: before or after the subcommand.
+        for argv in [
+            ["outbox-relay", "--runtime-threads", "4", "run"],
+            ["outbox-relay", "run", "--runtime-threads", "4"],
+        ] {
+            let cli = Cli::try_parse_from(argv).expect("parses");
+            assert_eq!(cli.runtime_threads, 4, "{argv:?}");
+        }
+        let err = Cli::try_parse_from(["outbox-relay", "run", "--runtime-threads", "0"])
+            .map(|_| ())
+            .expect_err("a runtime needs a thread");
+        assert!(err.to_string().contains("--runtime-threads"), "{err}");
+    }
+
+    #[test]
     fn hold_limit_must_exceed_confirm_timeout() {
         let Ok(Cli {
             command: Command::Run(args),
