@@ -31,6 +31,16 @@ fn args(floor: i64) -> String {
     )
 }
 
+/// The claim's first statement, which locks the rows, with the same
+/// arguments.
+fn lock_args(floor: i64) -> String {
+    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
+    format!(
+        "lock(500, '{{{}}}'::smallint[], {floor})",
+        partitions.join(",")
+    )
+}
+
 /// A session of the relay's own, connected and set up as a worker's is,
 /// with the relay's claim prepared on it: what it runs uses the plan the
 /// relay's would, cached from its first execution as the relay's is.
@@ -62,7 +72,9 @@ impl ClaimSession {
         queries.prepare(&client).await?;
         client
             .batch_execute(&format!(
-                "PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+                "PREPARE lock(bigint, smallint[], bigint) AS {}; \
+                 PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+                queries.lock_sql(),
                 queries.claim_sql()
             ))
             .await?;
@@ -70,20 +82,38 @@ impl ClaimSession {
     }
 
     /// Runs the claim at `floor` in a transaction rolled back afterwards:
-    /// what it cost under EXPLAIN ANALYZE, and the seqs it takes.
+    /// what its two statements cost together under EXPLAIN ANALYZE, and the
+    /// seqs it takes.
     pub async fn run(&self, floor: i64) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
         let client = &self.client;
         client.batch_execute("BEGIN").await?;
-        let plan: serde_json::Value = client
-            .query_one(
-                &format!(
-                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({})",
-                    args(floor)
-                ),
-                &[],
-            )
-            .await?
-            .get(0);
+        let mut cost = ClaimCost {
+            ms: 0.0,
+            buffers: 0,
+            temp_written: 0,
+            jit_ms: None,
+        };
+        for statement in [lock_args(floor), format!("claim({})", args(floor))] {
+            let plan: serde_json::Value = client
+                .query_one(
+                    &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {statement}"),
+                    &[],
+                )
+                .await?
+                .get(0);
+            let top = &plan[0]["Plan"];
+            let blocks = |k: &str| {
+                top[k]
+                    .as_u64()
+                    .ok_or_else(|| anyhow::anyhow!("no {k} in the plan of {statement}"))
+            };
+            cost.ms += plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN);
+            cost.buffers += blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?;
+            cost.temp_written += blocks("Temp Written Blocks")?;
+            if let Some(jit) = plan[0]["JIT"]["Timing"]["Total"].as_f64() {
+                cost.jit_ms = Some(cost.jit_ms.unwrap_or(0.0) + jit);
+            }
+        }
         client.batch_execute("ROLLBACK").await?;
         let seqs = self
             .verdicts(floor)
@@ -91,18 +121,6 @@ impl ClaimSession {
             .into_iter()
             .map(|v| v.0)
             .collect();
-        let top = &plan[0]["Plan"];
-        let blocks = |k: &str| {
-            top[k]
-                .as_u64()
-                .ok_or_else(|| anyhow::anyhow!("no {k} in the plan"))
-        };
-        let cost = ClaimCost {
-            ms: plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN),
-            buffers: blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?,
-            temp_written: blocks("Temp Written Blocks")?,
-            jit_ms: plan[0]["JIT"]["Timing"]["Total"].as_f64(),
-        };
         Ok((cost, seqs))
     }
 
@@ -112,6 +130,9 @@ impl ClaimSession {
     pub async fn verdicts(&self, floor: i64) -> anyhow::Result<Vec<(i64, bool)>> {
         let client = &self.client;
         client.batch_execute("BEGIN").await?;
+        client
+            .batch_execute(&format!("EXECUTE {}", lock_args(floor)))
+            .await?;
         let rows = client
             .query(&format!("EXECUTE claim({})", args(floor)), &[])
             .await?

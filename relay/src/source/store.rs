@@ -269,7 +269,10 @@ impl PgTx<'_> {
                     false => Ok(()),
                 }
             },
-            client.batch_execute("BEGIN"),
+            // READ COMMITTED whatever the server's default: the claim's
+            // second statement must see the rows its first one locked as
+            // they are now (see `source::claim`).
+            client.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
             statement
         );
         rolled_back?;

@@ -292,11 +292,11 @@ async fn the_claim_is_never_jit_compiled() {
 }
 
 /// A relay runs one claim at a time, and lets the next start as soon as the
-/// running one's rows are locked (its `locked` callback), before they have
-/// all reached the relay: the claim's last step sorts every row, so the
-/// first to arrive means its locking scans are done. A claim started from
-/// that callback must then find the first claim's rows all taken, and take
-/// the next ones, not some of the same oldest rows.
+/// running one's rows are locked (its `locked` callback): when the claim's
+/// first statement, which only locks, has answered, while its second still
+/// decides the verdicts. A claim started from that callback must then find
+/// the first claim's rows all taken, and take the next ones, not some of the
+/// same oldest rows.
 #[tokio::test]
 async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() {
     use outbox_relay::source::claim::{ClaimLimits, Queries};

@@ -28,6 +28,7 @@ mod statements;
 /// Postgres parses them once per session instead of once per batch.
 #[derive(Debug, Clone)]
 pub struct Prepared {
+    lock: Statement,
     claim: Statement,
     /// Deletes confirmed rows, or in retention mode moves them to `published`.
     settle: Statement,
@@ -60,6 +61,7 @@ pub struct Claimed {
 /// The SQL text for one schema, built once.
 #[derive(Debug, Clone)]
 pub struct Queries {
+    lock: String,
     claim: String,
     hold: String,
     delete: String,
@@ -80,8 +82,16 @@ impl Queries {
         client.execute(self.exists.as_str(), &[]).await.map(|_| ())
     }
 
-    /// The claim's SQL, for EXPLAIN. Its parameters: rows, partitions
-    /// (`smallint[]`), bytes, park recheck seconds, floor.
+    /// The claim's first statement, which locks its rows, for EXPLAIN.
+    /// Its parameters: rows, partitions (`smallint[]`), floor.
+    pub fn lock_sql(&self) -> &str {
+        &self.lock
+    }
+
+    /// The claim's second statement, which decides the locked rows'
+    /// verdicts, for EXPLAIN; it reads the seqs [`Queries::lock_sql`] left
+    /// in the transaction. Its parameters: rows, partitions (`smallint[]`,
+    /// unused), bytes, park recheck seconds, floor.
     pub fn claim_sql(&self) -> &str {
         &self.claim
     }
@@ -101,6 +111,9 @@ impl Queries {
     pub async fn prepare(&self, client: &Client) -> Result<Prepared, tokio_postgres::Error> {
         client
             .batch_execute("SET enable_bitmapscan = off; SET enable_seqscan = off")
+            .await?;
+        let lock = client
+            .prepare_typed(&self.lock, &[Type::INT8, Type::INT2_ARRAY, Type::INT8])
             .await?;
         let claim = client
             .prepare_typed(
@@ -126,7 +139,11 @@ impl Queries {
                     .await?
             }
         };
-        Ok(Prepared { claim, settle })
+        Ok(Prepared {
+            lock,
+            claim,
+            settle,
+        })
     }
 
     /// Locks and returns the oldest ready rows of the `partitions` this
@@ -137,10 +154,10 @@ impl Queries {
     /// [`crate::source::floor`]); 0 when none is known.
     ///
     /// `locked` runs once every row this claim takes is locked: when the
-    /// first row arrives (the statement's last step sorts them all, so by
-    /// then its locking scans have run to the end), or when the statement
-    /// ends with none. A claim that follows from then on skips these rows,
-    /// while this one still receives and decodes them.
+    /// first statement answers, before the second has decided the rows'
+    /// verdicts. A claim that follows from then on skips these rows, while
+    /// this one still works out, receives and decodes them. Both statements
+    /// go out at once, in one round trip.
     pub async fn claim(
         &self,
         tx: &Client,
@@ -153,14 +170,23 @@ impl Queries {
         let recheck = limits.park_recheck.as_secs_f64();
         let params: [&(dyn ToSql + Sync); 5] =
             [&limits.rows, &partitions, &limits.bytes, &recheck, &floor];
-        let rows = tx.query_raw(&prepared.claim, params).await?;
+        // join! polls in order, and each query is sent at its first poll:
+        // the lock statement, then the verdicts.
+        let (taken, rows) = futures::join!(
+            async {
+                let taken = tx
+                    .query_one(&prepared.lock, &[&limits.rows, &partitions, &floor])
+                    .await;
+                locked();
+                taken
+            },
+            tx.query_raw(&prepared.claim, params)
+        );
+        taken?;
+        let rows = rows?;
         futures::pin_mut!(rows);
-        let mut locked = Some(locked);
         let mut claimed = Claimed::default();
         while let Some(row) = rows.try_next().await? {
-            if let Some(locked) = locked.take() {
-                locked();
-            }
             if row.try_get::<_, bool>("blocked")? {
                 claimed.blocked += 1;
                 if let Some(until) = row.try_get::<_, Option<SystemTime>>("hold_until")? {
@@ -169,9 +195,6 @@ impl Queries {
             } else {
                 claimed.batch.push(envelope(&row)?);
             }
-        }
-        if let Some(locked) = locked.take() {
-            locked();
         }
         Ok(claimed)
     }

@@ -6,6 +6,10 @@ use outbox_client::SchemaName;
 
 use super::Queries;
 
+/// The transaction-local setting that carries a claim's locked seqs from
+/// its first statement to its second.
+const CLAIMED: &str = "outbox.claimed";
+
 impl Queries {
     /// Statements for the outbox in `schema`. With `park`, a dead-lettered
     /// message holds back the later messages of its key until it is retried or
@@ -22,13 +26,24 @@ impl Queries {
             "NULL::bigint".to_owned()
         };
         Queries {
-            // Two locking scans, each bounded by the batch size: fresh rows in
-            // seq order from the claim floor ($5, see `source::floor`), and
-            // rows whose own time has come (retries, and rows set aside behind
-            // their key's head). Neither walks rows that are waiting, so what
-            // a blocked key holds back costs nothing here, and neither walks
-            // rows deleted below the floor, which an old snapshot elsewhere
-            // keeps from being marked dead.
+            // A claim is two statements, sent together. The first (`lock`)
+            // runs the two locking scans, each bounded by the batch size:
+            // fresh rows in seq order from the claim floor (see
+            // `source::floor`), and rows whose own time has come (retries,
+            // and rows set aside behind their key's head). Neither walks rows
+            // that are waiting, so what a blocked key holds back costs
+            // nothing here, and neither walks rows deleted below the floor,
+            // which an old snapshot elsewhere keeps from being marked dead.
+            // It leaves the seqs it locked in a setting local to the
+            // transaction, `outbox.claimed`, and answers at once, so the
+            // relay's next claim can start while this one's verdicts are
+            // worked out (the relay takes claims one at a time up to that
+            // answer). The second (`claim`) reads the locked rows back by seq
+            // and decides each one's verdict. Its snapshot is taken after the
+            // rows were locked, so it reads their newest versions (a row
+            // another batch settled just before is seen with its new
+            // `attempts`); the transaction must be READ COMMITTED, which the
+            // relay's BEGIN says.
             //
             // The head-of-key probe looks for an older row of the key in two
             // places, for the same reason: at or above the floor, any row;
@@ -43,13 +58,9 @@ impl Queries {
             // analyzed) the planner takes every set for one row, and such a
             // join ran the probes once per row and key.
             //
-            // The columns come from the locking scans themselves. A row another
-            // batch settled after this statement's snapshot was taken is
-            // returned as its newest, locked version; read back through a
-            // second scan of the table it would show the snapshot's version,
-            // with a stale `attempts`, and a message would be retried once more
-            // than `max_attempts` allows. A large payload stays TOASTed (a
-            // pointer) until it is sent, and only rows that go out send it.
+            // The payload is read last, by seq, for the rows that go out
+            // only: carried through the window steps, every sort and window
+            // copied it. A large payload stays TOASTed until then.
             //
             // `kept` is the oldest prefix of the locked rows that fits the
             // batch's row and byte limits (one row always fits), so every row
@@ -62,25 +73,32 @@ impl Queries {
             // without its payload, with the time to set it aside until when
             // its blocker is waiting (nothing when the blocker is merely in
             // flight in another batch).
-            claim: format!(
+            lock: format!(
                 "WITH fresh AS ( \
-                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
-                    FROM {t} \
+                    SELECT seq FROM {t} \
                     WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
-                      AND seq >= $5 \
+                      AND seq >= $3 \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
-                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, event_type, created_at, attempts, payload, octet_length(payload) AS size \
-                    FROM {t} \
+                    SELECT seq FROM {t} \
                     WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
                       AND partition = ANY($2::smallint[]) \
                     ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
+                 ) \
+                 SELECT count(*) AS taken, \
+                        set_config('{CLAIMED}', coalesce(array_agg(c.seq), '{{}}')::text, true) \
+                 FROM (SELECT seq FROM fresh UNION ALL SELECT seq FROM due) c"
+            ),
+            claim: format!(
+                "WITH locked AS ( \
+                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
+                           content_type, event_type, created_at, attempts, octet_length(payload) AS size \
+                    FROM {t} \
+                    WHERE seq = ANY(current_setting('{CLAIMED}')::bigint[]) \
                  ), cand AS ( \
                     SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before, \
                            c.destination IN (SELECT destination FROM {pd}) AS paused \
-                    FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c \
+                    FROM locked c \
                     WINDOW w AS (ORDER BY c.seq) \
                  ), kept AS ( \
                     SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $3) \
@@ -124,7 +142,8 @@ impl Queries {
                  ) \
                  SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
                         v.content_type, v.event_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
-                        CASE WHEN v.blocked THEN NULL ELSE v.payload END AS payload \
+                        CASE WHEN v.blocked THEN NULL \
+                             ELSE (SELECT x.payload FROM {t} x WHERE x.seq = v.seq) END AS payload \
                  FROM verdict v \
                  ORDER BY v.seq"
             ),
