@@ -275,7 +275,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let claimed_at = Instant::now();
         let deadline = claimed_at + self.settings.hold_limit / 2;
         // The next claim may start once this one's rows are locked, while
-        // they are still on their way here.
+        // their verdicts are still being decided.
         let claimed = tx
             .claim(&limits, &partitions, self.floor.get(), move || {
                 drop(claiming)
