@@ -385,3 +385,95 @@ async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() 
     drop((first, second));
     db.cleanup().await;
 }
+
+/// The `locked` callback must wait for the locking itself, not for the
+/// statement to be sent: a claim whose locking statement is stuck (here
+/// behind a table lock another session holds, as it would be behind a
+/// migration's) has locked nothing, and a claim let in meanwhile could take
+/// the same oldest rows. The callback may run only once the lock is gone
+/// and the statement has answered.
+#[tokio::test]
+async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
+    use outbox_relay::source::claim::{ClaimLimits, Queries};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    enqueue(&db, 0, 100).await;
+    let queries = Queries::new(&db.schema, true, false);
+    let client = outbox_relay::source::connect(&db.config.clone().into(), Duration::from_secs(60))
+        .await
+        .expect("connect");
+    let prepared = queries.prepare(&client).await.expect("prepare");
+    // Another session takes the table for itself.
+    let (blocker, connection) = db
+        .config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    blocker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            db.table()
+        ))
+        .await
+        .expect("lock the table");
+    client.batch_execute("BEGIN").await.expect("begin");
+    let limits = ClaimLimits {
+        rows: 500,
+        bytes: 8 << 20,
+        park_recheck: Duration::from_secs(60),
+    };
+    let partitions: Vec<i16> = (0..64).collect();
+    let fired = Arc::new(AtomicBool::new(false));
+    let claim = {
+        let fired = Arc::clone(&fired);
+        let (queries, client, prepared, limits, partitions) =
+            (&queries, &client, &prepared, &limits, &partitions);
+        async move {
+            queries
+                .claim(client, prepared, limits, partitions, 0, move || {
+                    fired.store(true, Ordering::SeqCst)
+                })
+                .await
+        }
+    };
+    futures::pin_mut!(claim);
+    // Drive the claim until its statements are sent and it waits on the
+    // table lock. It cannot finish: the table is locked.
+    let waited = tokio::time::timeout(Duration::from_millis(300), claim.as_mut()).await;
+    assert!(waited.is_err(), "a claim finished on a locked table");
+    let waiting: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE $1",
+            &[&format!("%{}%outbox.claimed%", db.table())],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0);
+    assert_eq!(
+        waiting, 1,
+        "the claim's locking statement waits on the table lock"
+    );
+    assert!(
+        !fired.load(Ordering::SeqCst),
+        "the claim said its rows were locked while its locking statement was still waiting"
+    );
+    blocker.batch_execute("ROLLBACK").await.expect("unlock");
+    let claimed = claim.await.expect("claim");
+    assert_eq!(
+        claimed.batch.len(),
+        100,
+        "every row, once the table is free"
+    );
+    assert!(
+        fired.load(Ordering::SeqCst),
+        "locked ran once the rows were"
+    );
+    client.batch_execute("ROLLBACK").await.expect("rollback");
+    db.cleanup().await;
+}
