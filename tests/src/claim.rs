@@ -21,24 +21,22 @@ pub struct ClaimCost {
     pub jit_ms: Option<f64>,
 }
 
+/// All 64 partitions, as a `smallint[]` literal.
+fn partitions() -> String {
+    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
+    format!("'{{{}}}'::smallint[]", partitions.join(","))
+}
+
 /// The claim's arguments: 500 rows, all 64 partitions, 8 MiB, 60 s park
 /// recheck, from `floor`.
 fn args(floor: i64) -> String {
-    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
-    format!(
-        "500, '{{{}}}'::smallint[], 8388608, 60, {floor}",
-        partitions.join(",")
-    )
+    format!("500, {}, 8388608, 60, {floor}", partitions())
 }
 
 /// The claim's first statement, which locks the rows, with the same
 /// arguments.
 fn lock_args(floor: i64) -> String {
-    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
-    format!(
-        "lock(500, '{{{}}}'::smallint[], {floor})",
-        partitions.join(",")
-    )
+    format!("lock(500, {}, {floor})", partitions())
 }
 
 /// A session of the relay's own, connected and set up as a worker's is,

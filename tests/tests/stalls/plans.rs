@@ -4,6 +4,7 @@
 //! must still read about what it takes, however large the backlog.
 
 use outbox_client::Message;
+use outbox_relay::source::claim::{ClaimLimits, Prepared, Queries};
 use outbox_tests::claim::ClaimSession;
 use outbox_tests::db::TestDb;
 
@@ -55,6 +56,28 @@ async fn oldest_fresh(db: &TestDb) -> i64 {
         .await
         .expect("floor")
         .get(0)
+}
+
+/// A session set up and prepared as a relay worker's, for calling
+/// `Queries::claim` directly.
+async fn relay_session(db: &TestDb, queries: &Queries) -> (tokio_postgres::Client, Prepared) {
+    let client = outbox_relay::source::connect(
+        &db.config.clone().into(),
+        std::time::Duration::from_secs(60),
+    )
+    .await
+    .expect("connect");
+    let prepared = queries.prepare(&client).await.expect("prepare");
+    (client, prepared)
+}
+
+/// A relay's default batch: 500 rows, 8 MiB, 60 s park recheck.
+fn batch_limits() -> ClaimLimits {
+    ClaimLimits {
+        rows: 500,
+        bytes: 8 << 20,
+        park_recheck: std::time::Duration::from_secs(60),
+    }
 }
 
 /// With no statistics, the generic plan a relay session makes at its first
@@ -299,28 +322,18 @@ async fn the_claim_is_never_jit_compiled() {
 /// same oldest rows.
 #[tokio::test]
 async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() {
-    use outbox_relay::source::claim::{ClaimLimits, Queries};
-    use std::time::Duration;
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     enqueue(&db, 0, 1_000).await; // 1,000 keys, one row each
     let queries = Queries::new(&db.schema, true, false);
     let session = || async {
-        let client =
-            outbox_relay::source::connect(&db.config.clone().into(), Duration::from_secs(60))
-                .await
-                .expect("connect");
-        let prepared = queries.prepare(&client).await.expect("prepare");
+        let (client, prepared) = relay_session(&db, &queries).await;
         client.batch_execute("BEGIN").await.expect("begin");
         (client, prepared)
     };
     let (first, first_prepared) = session().await;
     let (second, second_prepared) = session().await;
-    let limits = ClaimLimits {
-        rows: 500,
-        bytes: 8 << 20,
-        park_recheck: Duration::from_secs(60),
-    };
+    let limits = batch_limits();
     let partitions: Vec<i16> = (0..64).collect();
     let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
     let mut calls = 0;
@@ -394,7 +407,6 @@ async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() 
 /// and the statement has answered.
 #[tokio::test]
 async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
-    use outbox_relay::source::claim::{ClaimLimits, Queries};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
@@ -402,17 +414,9 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
     let db = TestDb::new().await;
     enqueue(&db, 0, 100).await;
     let queries = Queries::new(&db.schema, true, false);
-    let client = outbox_relay::source::connect(&db.config.clone().into(), Duration::from_secs(60))
-        .await
-        .expect("connect");
-    let prepared = queries.prepare(&client).await.expect("prepare");
+    let (client, prepared) = relay_session(&db, &queries).await;
     // Another session takes the table for itself.
-    let (blocker, connection) = db
-        .config
-        .connect(tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(connection);
+    let blocker = outbox_tests::db::connect(&db.config).await;
     blocker
         .batch_execute(&format!(
             "BEGIN; LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
@@ -421,11 +425,7 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
         .await
         .expect("lock the table");
     client.batch_execute("BEGIN").await.expect("begin");
-    let limits = ClaimLimits {
-        rows: 500,
-        bytes: 8 << 20,
-        park_recheck: Duration::from_secs(60),
-    };
+    let limits = batch_limits();
     let partitions: Vec<i16> = (0..64).collect();
     let fired = Arc::new(AtomicBool::new(false));
     let claim = {

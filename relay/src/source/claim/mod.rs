@@ -172,17 +172,17 @@ impl Queries {
             [&limits.rows, &partitions, &limits.bytes, &recheck, &floor];
         // join! polls in order, and each query is sent at its first poll:
         // the lock statement, then the verdicts.
-        let (taken, rows) = futures::join!(
+        let (lock, rows) = futures::join!(
             async {
-                let taken = tx
+                let lock = tx
                     .query_one(&prepared.lock, &[&limits.rows, &partitions, &floor])
                     .await;
                 locked();
-                taken
+                lock
             },
             tx.query_raw(&prepared.claim, params)
         );
-        taken?;
+        lock?;
         let rows = rows?;
         futures::pin_mut!(rows);
         let mut claimed = Claimed::default();

@@ -85,8 +85,7 @@ impl Queries {
                       AND partition = ANY($2::smallint[]) \
                     ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ) \
-                 SELECT count(*) AS taken, \
-                        set_config('{CLAIMED}', coalesce(array_agg(c.seq), '{{}}')::text, true) \
+                 SELECT set_config('{CLAIMED}', coalesce(array_agg(c.seq), '{{}}')::text, true) \
                  FROM (SELECT seq FROM fresh UNION ALL SELECT seq FROM due) c"
             ),
             claim: format!(
