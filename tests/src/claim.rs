@@ -27,10 +27,10 @@ fn partitions() -> String {
     format!("'{{{}}}'::smallint[]", partitions.join(","))
 }
 
-/// The claim's arguments: 500 rows, all 64 partitions, 8 MiB, 60 s park
-/// recheck, from `floor`.
+/// The claim's arguments: 500 rows, 8 MiB, 60 s park recheck, from
+/// `floor`.
 fn args(floor: i64) -> String {
-    format!("500, {}, 8388608, 60, {floor}", partitions())
+    format!("500, 8388608, 60, {floor}")
 }
 
 /// The claim's first statement, which locks the rows, with the same
@@ -71,7 +71,7 @@ impl ClaimSession {
         client
             .batch_execute(&format!(
                 "PREPARE lock(bigint, smallint[], bigint) AS {}; \
-                 PREPARE claim(bigint, smallint[], bigint, float8, bigint) AS {}",
+                 PREPARE claim(bigint, bigint, float8, bigint) AS {}",
                 queries.lock_sql(),
                 queries.claim_sql()
             ))

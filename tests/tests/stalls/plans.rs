@@ -58,9 +58,9 @@ async fn oldest_fresh(db: &TestDb) -> i64 {
         .get(0)
 }
 
-/// A session set up and prepared as a relay worker's, for calling
-/// `Queries::claim` directly.
-async fn relay_session(db: &TestDb, queries: &Queries) -> (tokio_postgres::Client, Prepared) {
+/// A session set up and prepared as a relay worker's, inside a transaction
+/// as a worker's claim is, for calling `Queries::claim` directly.
+async fn relay_transaction(db: &TestDb, queries: &Queries) -> (tokio_postgres::Client, Prepared) {
     let client = outbox_relay::source::connect(
         &db.config.clone().into(),
         std::time::Duration::from_secs(60),
@@ -68,7 +68,13 @@ async fn relay_session(db: &TestDb, queries: &Queries) -> (tokio_postgres::Clien
     .await
     .expect("connect");
     let prepared = queries.prepare(&client).await.expect("prepare");
+    client.batch_execute("BEGIN").await.expect("begin");
     (client, prepared)
+}
+
+/// Every partition, as a relay that owns them all claims from.
+fn all_partitions() -> Vec<i16> {
+    (0..outbox_relay::source::ownership::PARTITIONS).collect()
 }
 
 /// A relay's default batch: 500 rows, 8 MiB, 60 s park recheck.
@@ -326,15 +332,10 @@ async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() 
     let db = TestDb::new().await;
     enqueue(&db, 0, 1_000).await; // 1,000 keys, one row each
     let queries = Queries::new(&db.schema, true, false);
-    let session = || async {
-        let (client, prepared) = relay_session(&db, &queries).await;
-        client.batch_execute("BEGIN").await.expect("begin");
-        (client, prepared)
-    };
-    let (first, first_prepared) = session().await;
-    let (second, second_prepared) = session().await;
+    let (first, first_prepared) = relay_transaction(&db, &queries).await;
+    let (second, second_prepared) = relay_transaction(&db, &queries).await;
     let limits = batch_limits();
-    let partitions: Vec<i16> = (0..64).collect();
+    let partitions = all_partitions();
     let (locked_tx, locked_rx) = tokio::sync::oneshot::channel();
     let mut calls = 0;
     let (a, b) = tokio::join!(
@@ -414,7 +415,7 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
     let db = TestDb::new().await;
     enqueue(&db, 0, 100).await;
     let queries = Queries::new(&db.schema, true, false);
-    let (client, prepared) = relay_session(&db, &queries).await;
+    let (client, prepared) = relay_transaction(&db, &queries).await;
     // Another session takes the table for itself.
     let blocker = outbox_tests::db::connect(&db.config).await;
     blocker
@@ -424,9 +425,8 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
         ))
         .await
         .expect("lock the table");
-    client.batch_execute("BEGIN").await.expect("begin");
     let limits = batch_limits();
-    let partitions: Vec<i16> = (0..64).collect();
+    let partitions = all_partitions();
     let fired = Arc::new(AtomicBool::new(false));
     let claim = {
         let fired = Arc::clone(&fired);

@@ -90,8 +90,8 @@ impl Queries {
 
     /// The claim's second statement, which decides the locked rows'
     /// verdicts, for EXPLAIN; it reads the seqs [`Queries::lock_sql`] left
-    /// in the transaction. Its parameters: rows, partitions (`smallint[]`,
-    /// unused), bytes, park recheck seconds, floor.
+    /// in the transaction. Its parameters: rows, bytes, park recheck seconds,
+    /// floor.
     pub fn claim_sql(&self) -> &str {
         &self.claim
     }
@@ -118,13 +118,7 @@ impl Queries {
         let claim = client
             .prepare_typed(
                 &self.claim,
-                &[
-                    Type::INT8,
-                    Type::INT2_ARRAY,
-                    Type::INT8,
-                    Type::FLOAT8,
-                    Type::INT8,
-                ],
+                &[Type::INT8, Type::INT8, Type::FLOAT8, Type::INT8],
             )
             .await?;
         let settle = match &self.retain {
@@ -168,8 +162,7 @@ impl Queries {
         locked: impl FnOnce(),
     ) -> Result<Claimed, tokio_postgres::Error> {
         let recheck = limits.park_recheck.as_secs_f64();
-        let params: [&(dyn ToSql + Sync); 5] =
-            [&limits.rows, &partitions, &limits.bytes, &recheck, &floor];
+        let params: [&(dyn ToSql + Sync); 4] = [&limits.rows, &limits.bytes, &recheck, &floor];
         // join! polls in order, and each query is sent at its first poll:
         // the lock statement, then the verdicts.
         let (lock, rows) = futures::join!(

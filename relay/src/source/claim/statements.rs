@@ -100,7 +100,7 @@ impl Queries {
                     FROM locked c \
                     WINDOW w AS (ORDER BY c.seq) \
                  ), kept AS ( \
-                    SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $3) \
+                    SELECT * FROM cand WHERE n <= $1 AND (n = 1 OR before + size <= $2) \
                  ), keyed AS ( \
                     SELECT c.*, max(c.seq) OVER k AS top, \
                            min(c.seq) FILTER (WHERE c.paused) OVER k AS key_paused_from \
@@ -112,12 +112,12 @@ impl Queries {
                     FROM keyed m LEFT JOIN LATERAL ( \
                         SELECT o.seq, o.next_attempt_at FROM ( \
                             (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                             WHERE p.ordering_key = m.ordering_key AND p.seq >= $5 AND p.seq < m.top \
+                             WHERE p.ordering_key = m.ordering_key AND p.seq >= $4 AND p.seq < m.top \
                                AND p.seq NOT IN (SELECT seq FROM kept) \
                              ORDER BY p.seq LIMIT 1) \
                             UNION ALL \
                             (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                             WHERE p.ordering_key = m.ordering_key AND p.seq < least($5, m.top) \
+                             WHERE p.ordering_key = m.ordering_key AND p.seq < least($4, m.top) \
                                AND p.next_attempt_at <> '-infinity' \
                                AND p.seq NOT IN (SELECT seq FROM kept) \
                              ORDER BY p.seq LIMIT 1)) o \
@@ -134,7 +134,7 @@ impl Queries {
                            g.paused OR coalesce(g.paused_from <= g.seq, false) \
                              OR coalesce(g.gap < g.seq, false) OR coalesce(g.parked_from < g.seq, false) AS blocked, \
                            CASE WHEN g.paused OR g.paused_from <= g.seq OR g.parked_from < g.seq \
-                                  THEN greatest(now() + make_interval(secs => $4), g.gap_until) \
+                                  THEN greatest(now() + make_interval(secs => $3), g.gap_until) \
                                 WHEN g.gap < g.seq AND g.gap_until > now() THEN g.gap_until \
                            END AS hold_until \
                     FROM gated g \
