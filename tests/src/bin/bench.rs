@@ -34,6 +34,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use outbox_client::Message;
+use outbox_tests::cpu::CpuWatch;
 use outbox_tests::db::TestDb;
 
 /// Routing key and content type of every benchmark message, whoever sends it.
@@ -112,6 +113,12 @@ fn parse_args() -> Args {
     }
     a
 }
+
+/// The programs whose CPU a Kafka phase reports: Postgres's processes,
+/// the broker, and the bench's own process (the producer or the relay).
+const KAFKA_PROGRAMS: [&str; 3] = ["postgres", "tansu", "self"];
+/// The same for RabbitMQ (its Erlang VM).
+const AMQP_PROGRAMS: [&str; 3] = ["postgres", "beam.smp", "self"];
 
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
@@ -273,6 +280,9 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
     };
     let producer: FutureProducer = settings.client_config().create()?;
     let window = args.batch * args.pipeline;
+    // Where each phase's CPU goes: the drain shares the machine's cores
+    // with Postgres and tansu, the raw producer only with tansu.
+    let watch = CpuWatch::start(&KAFKA_PROGRAMS);
     let started = Instant::now();
     let mut sent = 0;
     while sent < args.messages {
@@ -306,6 +316,7 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
         sent += n;
     }
     let raw = rate(sent, started.elapsed());
+    let raw_cpu = watch.stop().await;
     producer.flush(Duration::from_secs(10))?;
 
     let db = TestDb::new().await;
@@ -315,9 +326,11 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
     // drain, from its own histograms (recorded in this process).
     let recorder = std::env::var_os("OUTBOX_BENCH_TRACE")
         .and_then(|_| outbox_relay::metrics::install("kafka").ok());
+    let watch = CpuWatch::start(&KAFKA_PROGRAMS);
     let started = Instant::now();
     let relay = outbox_tests::InProcessRelay::kafka(&db, &brokers, &[], relay_settings(args));
     let drain = drain_with(vec![relay], args.messages, started).await;
+    let drain_cpu = watch.stop().await;
     if let Some(handle) = recorder {
         let m = handle.render();
         let [claims, claim_s, batches, publish_s] = batch_timings(&m);
@@ -339,6 +352,14 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
         "relay drain to kafka",
         drain,
         drain / raw
+    );
+    println!(
+        "raw producer (self: the producer): {}",
+        raw_cpu.per_message(sent)
+    );
+    println!(
+        "relay drain (self: the relay): {}",
+        drain_cpu.per_message(args.messages)
     );
     db.cleanup().await;
     Ok(())
@@ -367,14 +388,18 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
     let mut rounds = Vec::new();
     let mut enqueue = 0.0;
     for round in 0..args.rounds {
+        let watch = CpuWatch::start(&AMQP_PROGRAMS);
         let raw = raw_lapin(args, &pub_ch, &exchange, &payload).await?;
+        let raw_cpu = watch.stop().await;
         let raw_shape = shape(&ch, &queue).await?;
         ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
             .await?;
         enqueue = fill_outbox(&db, &exchange, args).await?;
+        let watch = CpuWatch::start(&AMQP_PROGRAMS);
         let started = Instant::now();
         let relay = outbox_tests::InProcessRelay::amqp(&db, relay_settings(args));
         let drain = drain_with(vec![relay], args.messages, started).await;
+        let drain_cpu = watch.stop().await;
         let relay_shape = shape(&ch, &queue).await?;
         if raw_shape != relay_shape {
             anyhow::bail!(
@@ -384,9 +409,11 @@ async fn amqp(args: &Args) -> anyhow::Result<()> {
         ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
             .await?;
         eprintln!(
-            "round {}: raw {raw:.0} msgs/s, relay {drain:.0} msgs/s, ratio {:.2}",
+            "round {}: raw {raw:.0} msgs/s, relay {drain:.0} msgs/s, ratio {:.2}\n  raw (self: lapin): {}\n  drain (self: the relay): {}",
             round + 1,
-            drain / raw
+            drain / raw,
+            raw_cpu.per_message(args.messages / args.pipeline * args.pipeline),
+            drain_cpu.per_message(args.messages),
         );
         rounds.push((raw, drain));
     }
