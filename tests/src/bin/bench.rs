@@ -119,6 +119,9 @@ fn parse_args() -> Args {
 const KAFKA_PROGRAMS: [&str; 3] = ["postgres", "tansu", "self"];
 /// The same for RabbitMQ (its Erlang VM).
 const AMQP_PROGRAMS: [&str; 3] = ["postgres", "beam.smp", "self"];
+/// A backlog drain's: the relay runs as a process of its own there, and
+/// the bench's process is the consumer.
+const BACKLOG_PROGRAMS: [&str; 4] = ["postgres", "beam.smp", "outbox-relay", "self"];
 
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
@@ -634,6 +637,56 @@ struct Drained {
     rate_after_start: f64,
     peak_rss_kib: u64,
     cpu: Duration,
+    /// CPU of Postgres, RabbitMQ and the relay over the drain.
+    split: outbox_tests::cpu::CpuSplit,
+    /// What Postgres wrote over the drain, per message.
+    writes: String,
+}
+
+/// Postgres's cluster-wide write counters (`pg_stat_wal`,
+/// `pg_stat_bgwriter`): a drain whose table no longer fits in
+/// `shared_buffers` pays for full-page images after each checkpoint and for
+/// evicting the pages it dirtied, which one that fits does not.
+#[derive(Debug, Clone, Copy, Default)]
+struct PgWrites {
+    wal_bytes: f64,
+    full_page_images: f64,
+    checkpoints: f64,
+    /// Buffers written out by backends (evictions) and by the background
+    /// writer, besides checkpoints.
+    evicted: f64,
+}
+
+impl PgWrites {
+    async fn read(client: &tokio_postgres::Client) -> anyhow::Result<Self> {
+        let row = client
+            .query_one(
+                "SELECT w.wal_bytes::float8, w.wal_fpi::float8, \
+                        (b.checkpoints_timed + b.checkpoints_req)::float8, \
+                        (b.buffers_backend + b.buffers_clean)::float8 \
+                 FROM pg_stat_wal w, pg_stat_bgwriter b",
+                &[],
+            )
+            .await?;
+        Ok(PgWrites {
+            wal_bytes: row.get(0),
+            full_page_images: row.get(1),
+            checkpoints: row.get(2),
+            evicted: row.get(3),
+        })
+    }
+
+    /// Per message of `messages`, since `before`.
+    fn per_message(&self, before: &PgWrites, messages: usize) -> String {
+        let n = messages.max(1) as f64;
+        format!(
+            "Postgres wrote per message: {:.0} bytes of WAL, {:.3} full-page images, {:.3} buffers evicted; {:.0} checkpoints",
+            (self.wal_bytes - before.wal_bytes) / n,
+            (self.full_page_images - before.full_page_images) / n,
+            (self.evicted - before.evicted) / n,
+            self.checkpoints - before.checkpoints,
+        )
+    }
 }
 
 /// Runs the relay process with `env` added until the outbox is empty (or,
@@ -680,6 +733,8 @@ where
         .kill_on_drop(true)
         .spawn()?;
     let pid = child.id().unwrap_or(0);
+    let writes_before = PgWrites::read(&db.client).await?;
+    let watch = CpuWatch::start(&BACKLOG_PROGRAMS);
     let started = Instant::now();
     let count_rows = || async {
         db.client
@@ -744,6 +799,8 @@ where
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
     let ended = Instant::now();
+    let split = watch.stop().await;
+    let writes = PgWrites::read(&db.client).await?;
     let secs = (ended - started).as_secs_f64();
     let left = count_rows().await?;
     anyhow::ensure!(
@@ -766,6 +823,8 @@ where
         rate_after_start,
         peak_rss_kib,
         cpu,
+        split,
+        writes: writes.per_message(&writes_before, expected),
     })
 }
 
@@ -918,6 +977,8 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
             if !claim.is_empty() {
                 println!("  {claim}");
             }
+            println!("  {}", drained.split.per_message(size));
+            println!("  {}", drained.writes);
             if consumer.is_some() {
                 // What it had not received when the drain ended was purged
                 // (or, had it fallen 50,000 behind, dropped at the bound).
