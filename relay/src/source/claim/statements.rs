@@ -58,9 +58,15 @@ impl Queries {
             // analyzed) the planner takes every set for one row, and such a
             // join ran the probes once per row and key.
             //
-            // The payload is read last, by seq, for the rows that go out
-            // only: carried through the window steps, every sort and window
-            // copied it. A large payload stays TOASTed until then.
+            // The window steps carry only what the verdicts need (seq,
+            // destination, key, size); the rest of each row, payload
+            // included, is read last, by seq, one index lookup per row
+            // (`OFFSET 0` keeps the planner from turning it into a join
+            // over the whole table). Carried through the window steps,
+            // every sort and window copied those columns: it cost Postgres
+            // about a tenth more CPU per claim (docs/benchmarks.md). A
+            // large payload stays TOASTed until then, and a blocked row's
+            // is not sent.
             //
             // `kept` is the oldest prefix of the locked rows that fits the
             // batch's row and byte limits (one row always fits), so every row
@@ -90,8 +96,7 @@ impl Queries {
             ),
             claim: format!(
                 "WITH locked AS ( \
-                    SELECT seq, message_id, destination, ordering_key, routing_key, headers, \
-                           content_type, event_type, created_at, attempts, octet_length(payload) AS size \
+                    SELECT seq, destination, ordering_key, octet_length(payload) AS size \
                     FROM {t} \
                     WHERE seq = ANY(current_setting('{CLAIMED}')::bigint[]) \
                  ), cand AS ( \
@@ -139,11 +144,13 @@ impl Queries {
                            END AS hold_until \
                     FROM gated g \
                  ) \
-                 SELECT v.seq, v.message_id, v.destination, v.ordering_key, v.routing_key, v.headers, \
-                        v.content_type, v.event_type, v.created_at, v.attempts, v.blocked, v.hold_until, \
-                        CASE WHEN v.blocked THEN NULL \
-                             ELSE (SELECT x.payload FROM {t} x WHERE x.seq = v.seq) END AS payload \
-                 FROM verdict v \
+                 SELECT v.seq, x.message_id, v.destination, v.ordering_key, x.routing_key, x.headers, \
+                        x.content_type, x.event_type, x.created_at, x.attempts, v.blocked, v.hold_until, \
+                        CASE WHEN v.blocked THEN NULL ELSE x.payload END AS payload \
+                 FROM verdict v CROSS JOIN LATERAL ( \
+                    SELECT m.message_id, m.routing_key, m.headers, m.content_type, m.event_type, \
+                           m.created_at, m.attempts, m.payload \
+                    FROM {t} m WHERE m.seq = v.seq OFFSET 0) x \
                  ORDER BY v.seq"
             ),
             hold: format!(
