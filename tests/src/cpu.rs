@@ -10,7 +10,7 @@
 //! own cost (a directory listing and a few small reads) counts under `self`.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Clock ticks per second of /proc's CPU times (USER_HZ, 100 on Linux).
 const TICKS_PER_SECOND: u64 = 100;
@@ -22,8 +22,6 @@ const SAMPLE: Duration = Duration::from_millis(100);
 /// CPU used over a phase.
 #[derive(Debug, Clone)]
 pub struct CpuSplit {
-    /// Wall time of the phase.
-    pub wall: Duration,
     /// CPU time per program, in the order they were asked for.
     pub programs: Vec<(String, Duration)>,
     /// Share of all cores' time that was idle (or waiting on I/O), 0 to 1.
@@ -70,7 +68,6 @@ impl CpuWatch {
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         // The first reading is taken here, before the phase starts, not
         // whenever the task first runs.
-        let started = Instant::now();
         let idle_before = machine_ticks();
         let mut tracker = Tracker::new(&programs);
         tracker.sample();
@@ -90,7 +87,6 @@ impl CpuWatch {
                 _ => f64::NAN,
             };
             CpuSplit {
-                wall: started.elapsed(),
                 programs: tracker.totals(),
                 idle,
             }
@@ -143,20 +139,16 @@ impl Tracker {
             if self.ignored.contains(&pid) {
                 continue;
             }
-            let Some((comm, ticks)) = read_stat(pid) else {
+            let Some((comm, ticks)) = crate::process::stat_of(pid) else {
                 continue;
             };
             if let Some(entry) = self.seen.get_mut(&pid) {
                 entry.2 = entry.2.max(ticks);
                 continue;
             }
-            let program = if pid == self.own_pid {
-                Some("self".to_owned())
-            } else {
-                self.programs.iter().find(|p| **p == comm).cloned()
-            };
-            match program {
-                Some(p) if self.programs.contains(&p) => {
+            let name = if pid == self.own_pid { "self" } else { &comm };
+            match self.programs.iter().find(|p| *p == name).cloned() {
+                Some(p) => {
                     // Running before the phase: count from now. Started
                     // during it: count all it used.
                     let from = if self.first { ticks } else { 0 };
@@ -187,16 +179,6 @@ impl Tracker {
             })
             .collect()
     }
-}
-
-/// A process's command name and its user + system CPU ticks.
-fn read_stat(pid: u32) -> Option<(String, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (head, after) = stat.rsplit_once(')')?;
-    let comm = head.split_once('(')?.1.to_owned();
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some((comm, ticks))
 }
 
 /// All cores' ticks since boot, and those idle or waiting on I/O.

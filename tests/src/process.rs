@@ -244,13 +244,21 @@ pub async fn cli(bin: &str, schema: &str, args: &[&str]) -> (Option<i32>, String
 
 /// CPU time (user + system) process `pid` used so far, from /proc.
 pub fn cpu_time_of(pid: u32) -> Option<std::time::Duration> {
+    let (_, ticks) = stat_of(pid)?;
+    Some(std::time::Duration::from_millis(ticks * 10))
+}
+
+/// Process `pid`'s command name and the CPU (user + system) it used so
+/// far, in clock ticks (100 per second on Linux), from /proc.
+pub fn stat_of(pid: u32) -> Option<(String, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name; utime and stime are the
-    // 14th and 15th fields overall, in clock ticks (100 per second on Linux).
-    let after = stat.rsplit_once(')')?.1;
+    // utime and stime are the 14th and 15th fields overall, after the
+    // parenthesised command name (which may itself hold spaces).
+    let (head, after) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(')?.1.to_owned();
     let fields: Vec<&str> = after.split_whitespace().collect();
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(std::time::Duration::from_millis(ticks * 10))
+    Some((comm, ticks))
 }
 
 /// Peak resident memory (VmHWM) of process `pid`, in KiB.
