@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use outbox_client::SchemaName;
-use outbox_relay::source::claim::Queries;
+use outbox_relay::source::claim::{ClaimLimits, Heads, Prepared, Queries};
 use outbox_relay::source::floor::Tracker;
 use tokio_postgres::Client;
 
@@ -21,16 +21,24 @@ pub struct ClaimCost {
     pub jit_ms: Option<f64>,
 }
 
+/// All 64 partitions.
+fn all_partitions() -> Vec<i16> {
+    (0..64).collect()
+}
+
 /// All 64 partitions, as a `smallint[]` literal.
 fn partitions() -> String {
-    let partitions: Vec<String> = (0..64).map(|p| p.to_string()).collect();
+    let partitions: Vec<String> = all_partitions().iter().map(|p| p.to_string()).collect();
     format!("'{{{}}}'::smallint[]", partitions.join(","))
 }
 
-/// The claim's arguments: 500 rows, 8 MiB, 60 s park recheck, from
-/// `floor`.
-fn args(floor: i64) -> String {
-    format!("500, 8388608, 60, {floor}")
+/// The claim's limits: 500 rows, 8 MiB, 60 s park recheck.
+fn limits() -> ClaimLimits {
+    ClaimLimits {
+        rows: 500,
+        bytes: 8 << 20,
+        park_recheck: Duration::from_secs(60),
+    }
 }
 
 /// The claim's first statement, which locks the rows, with the same
@@ -39,11 +47,27 @@ fn lock_args(floor: i64) -> String {
     format!("lock(500, {}, {floor})", partitions())
 }
 
+/// `items` as an SQL array literal of type `ty`.
+fn array<T: ToString>(items: &[T], ty: &str) -> String {
+    let quoted: Vec<String> = items
+        .iter()
+        .map(|i| {
+            format!(
+                "\"{}\"",
+                i.to_string().replace('\\', "\\\\").replace('"', "\\\"")
+            )
+        })
+        .collect();
+    format!("'{{{}}}'::{ty}", quoted.join(",").replace('\'', "''"))
+}
+
 /// A session of the relay's own, connected and set up as a worker's is,
-/// with the relay's claim prepared on it: what it runs uses the plan the
-/// relay's would, cached from its first execution as the relay's is.
+/// with the relay's claim prepared on it: what it runs uses the plans the
+/// relay's would, cached from their first execution as the relay's are.
 pub struct ClaimSession {
     client: Client,
+    queries: Queries,
+    prepared: Prepared,
 }
 
 impl ClaimSession {
@@ -67,21 +91,27 @@ impl ClaimSession {
         let client =
             outbox_relay::source::connect(&config.clone().into(), Duration::from_secs(60)).await?;
         client.batch_execute(settings).await?;
-        queries.prepare(&client).await?;
+        let prepared = queries.prepare(&client).await?;
         client
             .batch_execute(&format!(
                 "PREPARE lock(bigint, smallint[], bigint) AS {}; \
-                 PREPARE claim(bigint, bigint, float8, bigint) AS {}",
+                 PREPARE probe(text[], bigint[], bigint[], bigint) AS {}; \
+                 PREPARE bodies(bigint[]) AS {}",
                 queries.lock_sql(),
-                queries.claim_sql()
+                queries.probe_sql(),
+                queries.bodies_sql()
             ))
             .await?;
-        Ok(ClaimSession { client })
+        Ok(ClaimSession {
+            client,
+            queries,
+            prepared,
+        })
     }
 
     /// Runs the claim at `floor` in a transaction rolled back afterwards:
-    /// what its two statements cost together under EXPLAIN ANALYZE, and the
-    /// seqs it takes.
+    /// what its statements (the lock, the probes, the bodies) cost together
+    /// under EXPLAIN ANALYZE, and the seqs it takes.
     pub async fn run(&self, floor: i64) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
         let client = &self.client;
         client.batch_execute("BEGIN").await?;
@@ -91,26 +121,26 @@ impl ClaimSession {
             temp_written: 0,
             jit_ms: None,
         };
-        for statement in [lock_args(floor), format!("claim({})", args(floor))] {
-            let plan: serde_json::Value = client
-                .query_one(
-                    &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {statement}"),
-                    &[],
-                )
-                .await?
-                .get(0);
-            let top = &plan[0]["Plan"];
-            let blocks = |k: &str| {
-                top[k]
-                    .as_u64()
-                    .ok_or_else(|| anyhow::anyhow!("no {k} in the plan of {statement}"))
-            };
-            cost.ms += plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN);
-            cost.buffers += blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?;
-            cost.temp_written += blocks("Temp Written Blocks")?;
-            if let Some(jit) = plan[0]["JIT"]["Timing"]["Total"].as_f64() {
-                cost.jit_ms = Some(cost.jit_ms.unwrap_or(0.0) + jit);
-            }
+        self.explain(&lock_args(floor), &mut cost).await?;
+        // Once more for its rows: they are this transaction's own, so the
+        // lock takes the same ones again.
+        let rows = client
+            .query(&format!("EXECUTE {}", lock_args(floor)), &[])
+            .await?;
+        let heads = Heads::from_rows(&rows, &limits())?;
+        let (keys, tops, kept) = heads.probe_args();
+        if !keys.is_empty() {
+            let probe = format!(
+                "probe({}, {}, {}, {floor})",
+                array(&keys, "text[]"),
+                array(&tops, "bigint[]"),
+                array(&kept, "bigint[]")
+            );
+            self.explain(&probe, &mut cost).await?;
+        }
+        if !kept.is_empty() {
+            self.explain(&format!("bodies({})", array(&kept, "bigint[]")), &mut cost)
+                .await?;
         }
         client.batch_execute("ROLLBACK").await?;
         let seqs = self
@@ -122,23 +152,61 @@ impl ClaimSession {
         Ok((cost, seqs))
     }
 
-    /// Runs the claim at `floor` in a transaction rolled back afterwards:
-    /// each row it returns as (seq, blocked), blocked rows being those held
-    /// back behind an older row of their key (or a paused destination).
+    /// Adds what EXECUTE `statement` costs under EXPLAIN ANALYZE to `cost`.
+    async fn explain(&self, statement: &str, cost: &mut ClaimCost) -> anyhow::Result<()> {
+        let plan: serde_json::Value = self
+            .client
+            .query_one(
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {statement}"),
+                &[],
+            )
+            .await?
+            .get(0);
+        let top = &plan[0]["Plan"];
+        let blocks = |k: &str| {
+            top[k]
+                .as_u64()
+                .ok_or_else(|| anyhow::anyhow!("no {k} in the plan of {statement}"))
+        };
+        cost.ms += plan[0]["Execution Time"].as_f64().unwrap_or(f64::NAN);
+        cost.buffers += blocks("Shared Hit Blocks")? + blocks("Shared Read Blocks")?;
+        cost.temp_written += blocks("Temp Written Blocks")?;
+        if let Some(jit) = plan[0]["JIT"]["Timing"]["Total"].as_f64() {
+            cost.jit_ms = Some(cost.jit_ms.unwrap_or(0.0) + jit);
+        }
+        Ok(())
+    }
+
+    /// Runs the relay's claim at `floor` in a transaction rolled back
+    /// afterwards: each row it keeps as (seq, blocked), oldest first,
+    /// blocked rows being those held back behind an older row of their key
+    /// (or a paused destination).
     pub async fn verdicts(&self, floor: i64) -> anyhow::Result<Vec<(i64, bool)>> {
         let client = &self.client;
-        client.batch_execute("BEGIN").await?;
         client
-            .batch_execute(&format!("EXECUTE {}", lock_args(floor)))
+            .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await?;
-        let rows = client
-            .query(&format!("EXECUTE claim({})", args(floor)), &[])
-            .await?
-            .iter()
-            .map(|r| (r.get::<_, i64>("seq"), r.get::<_, bool>("blocked")))
-            .collect();
+        let claimed = self
+            .queries
+            .claim(
+                client,
+                &self.prepared,
+                &limits(),
+                &all_partitions(),
+                floor,
+                || {},
+            )
+            .await;
         client.batch_execute("ROLLBACK").await?;
-        Ok(rows)
+        let claimed = claimed?;
+        let mut verdicts: Vec<(i64, bool)> = claimed
+            .batch
+            .iter()
+            .map(|e| (e.seq, false))
+            .chain(claimed.blocked.iter().map(|&seq| (seq, true)))
+            .collect();
+        verdicts.sort_unstable();
+        Ok(verdicts)
     }
 }
 

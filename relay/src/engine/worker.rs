@@ -282,11 +282,11 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             })
             .await?;
         metrics::histogram!(crate::metrics::CLAIM).record(claimed_at.elapsed().as_secs_f64());
-        if !claimed.batch.is_empty() || claimed.blocked > 0 {
+        if !claimed.batch.is_empty() || !claimed.blocked.is_empty() {
             self.floor.note_claim();
         }
         let holds = claimed.holds;
-        let behind = claimed.blocked > holds.len();
+        let behind = claimed.blocked.len() > holds.len();
         let batch = hooks::claimed(claimed.batch);
         if batch.is_empty() {
             if holds.is_empty() {

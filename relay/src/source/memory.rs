@@ -242,7 +242,7 @@ impl BatchTx for MemoryTx {
                 // A row another batch holds, or one waiting out its retry,
                 // holds back the rest of its key.
                 if free {
-                    claimed.blocked += 1;
+                    claimed.blocked.push(*seq);
                 }
                 blocked_keys.insert(key);
                 continue;

@@ -270,8 +270,8 @@ impl PgTx<'_> {
                 }
             },
             // READ COMMITTED whatever the server's default: the claim's
-            // second statement must see the rows its first one locked as
-            // they are now (see `source::claim`).
+            // probes must see what committed after its rows were locked
+            // (see `source::claim`).
             client.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
             statement
         );

@@ -354,7 +354,8 @@ async fn a_claim_started_when_the_previous_one_has_locked_takes_the_next_rows() 
     );
     let seqs = |c: outbox_relay::source::claim::Claimed| -> Vec<i64> {
         assert_eq!(
-            c.blocked, 0,
+            c.blocked,
+            Vec::<i64>::new(),
             "every key has one row: nothing waits behind another"
         );
         c.batch.iter().map(|e| e.seq).collect()
@@ -450,7 +451,7 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
         .query_one(
             "SELECT count(*) FROM pg_stat_activity \
              WHERE wait_event_type = 'Lock' AND query LIKE $1",
-            &[&format!("%{}%outbox.claimed%", db.table())],
+            &[&format!("%{}%FOR UPDATE SKIP LOCKED%", db.table())],
         )
         .await
         .expect("pg_stat_activity")

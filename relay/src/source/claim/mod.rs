@@ -13,6 +13,7 @@
 //!   the same claim. An older row locked by another in-flight batch, or waiting
 //!   out a retry backoff, holds back the rest of its key.
 
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
 use futures::TryStreamExt;
@@ -29,7 +30,9 @@ mod statements;
 #[derive(Debug, Clone)]
 pub struct Prepared {
     lock: Statement,
-    claim: Statement,
+    probe: Statement,
+    bodies: Statement,
+    paused: Statement,
     /// Deletes confirmed rows, or in retention mode moves them to `published`.
     settle: Statement,
 }
@@ -54,15 +57,18 @@ pub struct Claimed {
     pub batch: Vec<Envelope>,
     /// Rows of blocked keys to set aside, with until when.
     pub holds: Vec<(i64, SystemTime)>,
-    /// Rows claimed but blocked behind an older row of their key.
-    pub blocked: usize,
+    /// Rows claimed but blocked behind an older row of their key (or a
+    /// paused destination), by seq, oldest first.
+    pub blocked: Vec<i64>,
 }
 
 /// The SQL text for one schema, built once.
 #[derive(Debug, Clone)]
 pub struct Queries {
     lock: String,
-    claim: String,
+    probe: String,
+    bodies: String,
+    paused: String,
     hold: String,
     delete: String,
     fail: String,
@@ -88,12 +94,17 @@ impl Queries {
         &self.lock
     }
 
-    /// The claim's second statement, which decides the locked rows'
-    /// verdicts, for EXPLAIN; it reads the seqs [`Queries::lock_sql`] left
-    /// in the transaction. Its parameters: rows, bytes, park recheck seconds,
-    /// floor.
-    pub fn claim_sql(&self) -> &str {
-        &self.claim
+    /// The head-of-key probes, for EXPLAIN. Its parameters: the kept rows'
+    /// keys (`text[]`) and each key's newest kept seq (`bigint[]`), the kept
+    /// seqs (`bigint[]`), floor; [`Heads::probe_args`] gives the first three.
+    pub fn probe_sql(&self) -> &str {
+        &self.probe
+    }
+
+    /// The kept rows' headers and payloads, for EXPLAIN. Its parameter: the
+    /// kept seqs (`bigint[]`).
+    pub fn bodies_sql(&self) -> &str {
+        &self.bodies
     }
 
     /// Prepares the per-batch statements on `client`, after setting its
@@ -115,12 +126,21 @@ impl Queries {
         let lock = client
             .prepare_typed(&self.lock, &[Type::INT8, Type::INT2_ARRAY, Type::INT8])
             .await?;
-        let claim = client
+        let probe = client
             .prepare_typed(
-                &self.claim,
-                &[Type::INT8, Type::INT8, Type::FLOAT8, Type::INT8],
+                &self.probe,
+                &[
+                    Type::TEXT_ARRAY,
+                    Type::INT8_ARRAY,
+                    Type::INT8_ARRAY,
+                    Type::INT8,
+                ],
             )
             .await?;
+        let bodies = client
+            .prepare_typed(&self.bodies, &[Type::INT8_ARRAY])
+            .await?;
+        let paused = client.prepare(&self.paused).await?;
         let settle = match &self.retain {
             Some(retain) => {
                 client
@@ -135,7 +155,9 @@ impl Queries {
         };
         Ok(Prepared {
             lock,
-            claim,
+            probe,
+            bodies,
+            paused,
             settle,
         })
     }
@@ -148,10 +170,9 @@ impl Queries {
     /// [`crate::source::floor`]); 0 when none is known.
     ///
     /// `locked` runs once every row this claim takes is locked: when the
-    /// first statement answers, before the second has decided the rows'
-    /// verdicts. A claim that follows from then on skips these rows, while
-    /// this one still works out, receives and decodes them. Both statements
-    /// go out at once, in one round trip.
+    /// first statement answers, before the second round trip (probes and
+    /// bodies) has gone out. A claim that follows from then on skips these
+    /// rows, while this one still works out, receives and decodes them.
     pub async fn claim(
         &self,
         tx: &Client,
@@ -161,33 +182,86 @@ impl Queries {
         floor: i64,
         locked: impl FnOnce(),
     ) -> Result<Claimed, tokio_postgres::Error> {
-        let recheck = limits.park_recheck.as_secs_f64();
-        let params: [&(dyn ToSql + Sync); 4] = [&limits.rows, &limits.bytes, &recheck, &floor];
-        // join! polls in order, and each query is sent at its first poll:
-        // the lock statement, then the verdicts.
-        let (lock, rows) = futures::join!(
+        let rows = tx
+            .query(&prepared.lock, &[&limits.rows, &partitions, &floor])
+            .await;
+        locked();
+        let heads = Heads::from_rows(&rows?, limits)?;
+        if heads.rows.is_empty() {
+            return Ok(Claimed::default());
+        }
+        let (keys, tops, kept) = heads.probe_args();
+        let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor];
+        let bodies_params: [&(dyn ToSql + Sync); 1] = [&kept];
+        // try_join! polls in order, and each query is sent at its first
+        // poll: the three go out together, the bodies last, so that they
+        // can be read one at a time as the envelopes are built instead of
+        // all being held at once beside them.
+        let (paused, found, bodies) = futures::try_join!(
+            tx.query_one(&prepared.paused, &[]),
             async {
-                let lock = tx
-                    .query_one(&prepared.lock, &[&limits.rows, &partitions, &floor])
-                    .await;
-                locked();
-                lock
-            },
-            tx.query_raw(&prepared.claim, params)
-        );
-        lock?;
-        let rows = rows?;
-        futures::pin_mut!(rows);
-        let mut claimed = Claimed::default();
-        while let Some(row) = rows.try_next().await? {
-            if row.try_get::<_, bool>("blocked")? {
-                claimed.blocked += 1;
-                if let Some(until) = row.try_get::<_, Option<SystemTime>>("hold_until")? {
-                    claimed.holds.push((row.try_get("seq")?, until));
+                if keys.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    tx.query(&prepared.probe, &probe_params).await
                 }
-            } else {
-                claimed.batch.push(envelope(&row)?);
+            },
+            tx.query_raw(&prepared.bodies, bodies_params),
+        )?;
+        let mut probes = HashMap::with_capacity(found.len());
+        for row in &found {
+            probes.insert(
+                row.try_get::<_, String>("key")?,
+                Probe {
+                    gap: row.try_get("gap")?,
+                    gap_until: row.try_get("gap_until")?,
+                    parked_from: row.try_get("parked_from")?,
+                },
+            );
+        }
+        let now: SystemTime = paused.try_get("now")?;
+        let paused: HashSet<String> = paused
+            .try_get::<_, Vec<String>>("paused")?
+            .into_iter()
+            .collect();
+        let verdicts = judge(&heads.rows, &probes, &paused, now, limits.park_recheck);
+        // The bodies come in seq order, as the kept rows are: walk both.
+        futures::pin_mut!(bodies);
+        let mut body = bodies.try_next().await?;
+        let seq_of = |b: &Option<Row>| b.as_ref().map(|b| b.try_get::<_, i64>(0)).transpose();
+        let mut claimed = Claimed::default();
+        for (head, verdict) in heads.rows.into_iter().zip(verdicts) {
+            // Blocked rows' bodies are passed over.
+            while seq_of(&body)?.is_some_and(|seq| seq < head.seq) {
+                body = bodies.try_next().await?;
             }
+            match verdict {
+                Verdict::Go if seq_of(&body)? == Some(head.seq) => {
+                    let row = body.take().expect("a body was just seen");
+                    claimed.batch.push(envelope(head, &row)?);
+                    body = bodies.try_next().await?;
+                }
+                // Cannot happen while the row is locked; if it does, the row
+                // stays in the outbox for the next claim.
+                Verdict::Go => {
+                    tracing::warn!(
+                        seq = head.seq,
+                        "a claimed row's payload was not found; leaving it for the next claim"
+                    );
+                    claimed.blocked.push(head.seq);
+                }
+                Verdict::Blocked(until) => {
+                    claimed.blocked.push(head.seq);
+                    if let Some(until) = until {
+                        claimed.holds.push((head.seq, until));
+                    }
+                }
+            }
+        }
+        // Read what is left (blocked rows' bodies) unless the stream has
+        // ended: polled again after its end, it would fail as closed.
+        if body.is_some() {
+            while bodies.try_next().await?.is_some() {}
         }
         Ok(claimed)
     }
@@ -293,8 +367,166 @@ impl Queries {
     }
 }
 
-fn envelope(row: &Row) -> Result<Envelope, tokio_postgres::Error> {
-    let headers: serde_json::Value = row.try_get("headers")?;
+/// What the claim's first statement returns of one locked row: all but its
+/// headers and payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Head {
+    /// The row's seq.
+    pub seq: i64,
+    message_id: Uuid,
+    destination: String,
+    ordering_key: Option<String>,
+    routing_key: String,
+    content_type: Option<String>,
+    event_type: Option<String>,
+    created_at: SystemTime,
+    attempts: i32,
+    /// Payload bytes.
+    size: i64,
+}
+
+impl Head {
+    fn from_row(row: &Row) -> Result<Self, tokio_postgres::Error> {
+        Ok(Head {
+            seq: row.try_get("seq")?,
+            message_id: row.try_get("message_id")?,
+            destination: row.try_get("destination")?,
+            ordering_key: row.try_get("ordering_key")?,
+            routing_key: row.try_get("routing_key")?,
+            content_type: row.try_get("content_type")?,
+            event_type: row.try_get("event_type")?,
+            created_at: row.try_get("created_at")?,
+            attempts: row.try_get("attempts")?,
+            size: row.try_get("size")?,
+        })
+    }
+}
+
+/// The rows a claim keeps: the oldest prefix of the locked rows that fits
+/// the batch's row and byte limits (one row always fits), so that every row
+/// left out is younger than every row kept.
+#[derive(Debug, Default)]
+pub struct Heads {
+    /// Oldest first.
+    pub rows: Vec<Head>,
+}
+
+impl Heads {
+    /// Keeps the oldest of `rows` (the claim's first statement's answer, in
+    /// any order) within `limits`.
+    pub fn from_rows(rows: &[Row], limits: &ClaimLimits) -> Result<Self, tokio_postgres::Error> {
+        let rows = rows.iter().map(Head::from_row).collect::<Result<_, _>>()?;
+        Ok(Self::keep(rows, limits))
+    }
+
+    fn keep(mut rows: Vec<Head>, limits: &ClaimLimits) -> Self {
+        rows.sort_unstable_by_key(|h| h.seq);
+        let (mut n, mut bytes) = (0i64, 0i64);
+        let kept = rows
+            .iter()
+            .take_while(|h| {
+                n += 1;
+                bytes = bytes.saturating_add(h.size);
+                n <= limits.rows && (n == 1 || bytes <= limits.bytes)
+            })
+            .count();
+        rows.truncate(kept);
+        Heads { rows }
+    }
+
+    /// The probe's first three parameters: each key among the kept rows,
+    /// the key's newest kept seq, and every kept seq.
+    pub fn probe_args(&self) -> (Vec<&str>, Vec<i64>, Vec<i64>) {
+        let mut tops: HashMap<&str, i64> = HashMap::new();
+        for h in &self.rows {
+            if let Some(key) = &h.ordering_key {
+                // Oldest first, so the last seen is the newest.
+                tops.insert(key, h.seq);
+            }
+        }
+        let (keys, tops) = tops.into_iter().unzip();
+        (keys, tops, self.rows.iter().map(|h| h.seq).collect())
+    }
+}
+
+/// What the probe found for one key: the oldest older row of the key that
+/// the claim did not keep, until when it waits (nothing when it is in
+/// flight elsewhere), and the key's oldest dead letter when parking.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Probe {
+    gap: Option<i64>,
+    gap_until: Option<SystemTime>,
+    parked_from: Option<i64>,
+}
+
+/// One kept row's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Publish it.
+    Go,
+    /// Blocked; set it aside until then, or (nothing) leave it for the next
+    /// claim, its blocker being merely in flight.
+    Blocked(Option<SystemTime>),
+}
+
+/// The kept rows' verdicts (`heads` oldest first). A row is blocked when its
+/// destination is paused, when an older kept row of its key goes to a
+/// paused destination, when an older row of its key was not kept (in flight
+/// elsewhere, waiting out a retry, set aside: the probe's `gap`) or, when
+/// parking, an older message of its key is dead-lettered. A row blocked by
+/// a pause or a dead letter is set aside for `recheck` (or until its gap's
+/// own time, if later); one blocked only by a waiting row, until that row's
+/// time; one blocked by a row in flight, not at all. Rows without a key are
+/// blocked only by their own destination's pause. `now` is the claim
+/// transaction's `now()`.
+fn judge(
+    heads: &[Head],
+    probes: &HashMap<String, Probe>,
+    paused: &HashSet<String>,
+    now: SystemTime,
+    recheck: Duration,
+) -> Vec<Verdict> {
+    // The oldest kept row of each key that goes to a paused destination.
+    let mut paused_from: HashMap<&str, i64> = HashMap::new();
+    if !paused.is_empty() {
+        for h in heads {
+            if let Some(key) = &h.ordering_key {
+                if paused.contains(&h.destination) {
+                    paused_from.entry(key).or_insert(h.seq);
+                }
+            }
+        }
+    }
+    let none = Probe::default();
+    heads
+        .iter()
+        .map(|h| {
+            let own = paused.contains(&h.destination);
+            let (probe, paused_from) = match &h.ordering_key {
+                Some(key) => (
+                    probes.get(key).unwrap_or(&none),
+                    paused_from.get(key.as_str()).copied(),
+                ),
+                None => (&none, None),
+            };
+            let set_aside = own
+                || paused_from.is_some_and(|p| p <= h.seq)
+                || probe.parked_from.is_some_and(|p| p < h.seq);
+            let behind = probe.gap.is_some_and(|g| g < h.seq);
+            if set_aside {
+                let recheck = now.checked_add(recheck).unwrap_or(now);
+                Verdict::Blocked(Some(probe.gap_until.map_or(recheck, |u| u.max(recheck))))
+            } else if behind {
+                Verdict::Blocked(probe.gap_until.filter(|u| *u > now))
+            } else {
+                Verdict::Go
+            }
+        })
+        .collect()
+}
+
+fn envelope(head: Head, body: &Row) -> Result<Envelope, tokio_postgres::Error> {
+    let headers: serde_json::Value = body.try_get("headers")?;
     let headers = match headers {
         serde_json::Value::Object(map) => map
             .into_iter()
@@ -311,16 +543,140 @@ fn envelope(row: &Row) -> Result<Envelope, tokio_postgres::Error> {
         _ => Vec::new(),
     };
     Ok(Envelope {
-        seq: row.try_get("seq")?,
-        message_id: row.try_get::<_, Uuid>("message_id")?,
-        destination: row.try_get("destination")?,
-        ordering_key: row.try_get("ordering_key")?,
-        routing_key: row.try_get("routing_key")?,
+        seq: head.seq,
+        message_id: head.message_id,
+        destination: head.destination,
+        ordering_key: head.ordering_key,
+        routing_key: head.routing_key,
         headers,
-        payload: row.try_get("payload")?,
-        content_type: row.try_get("content_type")?,
-        event_type: row.try_get("event_type")?,
-        created_at: row.try_get::<_, SystemTime>("created_at")?,
-        attempts: row.try_get("attempts")?,
+        payload: body.try_get("payload")?,
+        content_type: head.content_type,
+        event_type: head.event_type,
+        created_at: head.created_at,
+        attempts: head.attempts,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(seq: i64, key: Option<&str>, destination: &str, size: i64) -> Head {
+        Head {
+            seq,
+            message_id: Uuid::nil(),
+            destination: destination.to_owned(),
+            ordering_key: key.map(str::to_owned),
+            routing_key: String::new(),
+            content_type: None,
+            event_type: None,
+            created_at: SystemTime::UNIX_EPOCH,
+            attempts: 0,
+            size,
+        }
+    }
+
+    fn limits(rows: i64, bytes: i64) -> ClaimLimits {
+        ClaimLimits {
+            rows,
+            bytes,
+            park_recheck: Duration::from_secs(60),
+        }
+    }
+
+    fn seqs(heads: &Heads) -> Vec<i64> {
+        heads.rows.iter().map(|h| h.seq).collect()
+    }
+
+    #[test]
+    fn a_claim_keeps_the_oldest_rows_that_fit_and_one_row_always() {
+        let rows = || {
+            vec![
+                head(3, None, "d", 10),
+                head(1, None, "d", 10),
+                head(2, None, "d", 10),
+            ]
+        };
+        assert_eq!(seqs(&Heads::keep(rows(), &limits(2, 1_000))), [1, 2]);
+        assert_eq!(seqs(&Heads::keep(rows(), &limits(10, 20))), [1, 2]);
+        assert_eq!(
+            seqs(&Heads::keep(rows(), &limits(10, 5))),
+            [1],
+            "one row always goes"
+        );
+        // A large row stops the batch: nothing younger is kept past it.
+        let rows = vec![
+            head(1, None, "d", 10),
+            head(2, None, "d", 100),
+            head(3, None, "d", 1),
+        ];
+        assert_eq!(seqs(&Heads::keep(rows, &limits(10, 50))), [1]);
+    }
+
+    #[test]
+    fn a_pause_holds_back_its_destination_and_the_later_rows_of_its_keys() {
+        let heads = [
+            head(1, Some("a"), "x", 1),
+            head(2, Some("a"), "paused", 1),
+            head(3, Some("a"), "x", 1),
+            head(4, Some("b"), "x", 1),
+            head(5, None, "paused", 1),
+            head(6, None, "x", 1),
+        ];
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let paused: HashSet<String> = ["paused".to_owned()].into();
+        let verdicts = judge(
+            &heads,
+            &HashMap::new(),
+            &paused,
+            now,
+            Duration::from_secs(60),
+        );
+        let held = Verdict::Blocked(Some(now + Duration::from_secs(60)));
+        assert_eq!(
+            verdicts,
+            [Verdict::Go, held, held, Verdict::Go, held, Verdict::Go]
+        );
+    }
+
+    #[test]
+    fn a_key_waits_behind_its_older_row_for_as_long_as_that_row_waits() {
+        let heads = [head(5, Some("a"), "x", 1), head(7, Some("a"), "x", 1)];
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let later = now + Duration::from_secs(30);
+        let probe = |gap, gap_until| {
+            HashMap::from([(
+                "a".to_owned(),
+                Probe {
+                    gap: Some(gap),
+                    gap_until,
+                    parked_from: None,
+                },
+            )])
+        };
+        let judged = |probes| {
+            judge(
+                &heads,
+                &probes,
+                &HashSet::new(),
+                now,
+                Duration::from_secs(60),
+            )
+        };
+        // Row 6 waits until `later`: row 7 is set aside until then, row 5 goes.
+        assert_eq!(
+            judged(probe(6, Some(later))),
+            [Verdict::Go, Verdict::Blocked(Some(later))]
+        );
+        // Row 6 is in flight elsewhere: row 7 stays for the next claim.
+        assert_eq!(
+            judged(probe(6, None)),
+            [Verdict::Go, Verdict::Blocked(None)]
+        );
+        // Row 6's time has passed: nothing to wait for, it is due.
+        assert_eq!(
+            judged(probe(6, Some(now - Duration::from_secs(1)))),
+            [Verdict::Go, Verdict::Blocked(None)]
+        );
+    }
 }
