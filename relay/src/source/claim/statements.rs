@@ -53,8 +53,10 @@ impl Queries {
             // - `paused`: the paused destinations, and the transaction's
             //   `now()`, against which holds are timed.
             // The verdicts (`super::judge`) are worked out in the relay from
-            // these: sorting and windowing the batch in SQL cost Postgres
-            // about a third of its CPU per claim (docs/benchmarks.md).
+            // these: sorting and windowing the batch in SQL cost Postgres a
+            // tenth to a third of its CPU per claim (docs/benchmarks.md,
+            // "The verdicts in the relay"). The price is the second round
+            // trip before a batch is published.
             //
             // The probe looks for an older row of the key in two places: at
             // or above the floor, any row; below it, where no fresh row can
