@@ -21,9 +21,9 @@ pub struct ClaimCost {
     pub jit_ms: Option<f64>,
 }
 
-/// All 64 partitions.
-fn all_partitions() -> Vec<i16> {
-    (0..64).collect()
+/// Every partition: the claims here take the whole outbox.
+pub fn all_partitions() -> Vec<i16> {
+    (0..outbox_relay::source::ownership::PARTITIONS).collect()
 }
 
 /// All 64 partitions, as a `smallint[]` literal.

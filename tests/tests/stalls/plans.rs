@@ -5,7 +5,7 @@
 
 use outbox_client::Message;
 use outbox_relay::source::claim::{ClaimLimits, Prepared, Queries};
-use outbox_tests::claim::ClaimSession;
+use outbox_tests::claim::{all_partitions, ClaimSession};
 use outbox_tests::db::TestDb;
 
 async fn enqueue(db: &TestDb, from: usize, to: usize) {
@@ -70,11 +70,6 @@ async fn relay_transaction(db: &TestDb, queries: &Queries) -> (tokio_postgres::C
     let prepared = queries.prepare(&client).await.expect("prepare");
     client.batch_execute("BEGIN").await.expect("begin");
     (client, prepared)
-}
-
-/// Every partition, as a relay that owns them all claims from.
-fn all_partitions() -> Vec<i16> {
-    (0..outbox_relay::source::ownership::PARTITIONS).collect()
 }
 
 /// A relay's default batch: 500 rows, 8 MiB, 60 s park recheck.
