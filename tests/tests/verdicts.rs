@@ -346,3 +346,135 @@ async fn the_relays_verdicts_agree_with_the_single_statement_they_replace() {
     );
     db.cleanup().await;
 }
+
+/// The claim keeps the oldest locked rows within the row and byte limits:
+/// one row always, and nothing younger past a row that does not fit (the
+/// lock statement chooses them, and the probes and bodies read its choice).
+#[tokio::test]
+async fn a_claim_keeps_the_oldest_rows_that_fit_and_one_row_always() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let table = db.table();
+    let queries = Queries::new(&db.schema, true, false);
+    let partitions = outbox_tests::claim::all_partitions();
+    let session = outbox_relay::source::connect(&db.config.clone().into(), Duration::from_secs(60))
+        .await
+        .expect("connect");
+    let prepared = queries.prepare(&session).await.expect("prepare");
+    let kept = |rows: i64, bytes: i64| {
+        let (queries, session, prepared, partitions) = (&queries, &session, &prepared, &partitions);
+        async move {
+            let limits = ClaimLimits {
+                rows,
+                bytes,
+                park_recheck: Duration::from_secs(60),
+            };
+            session
+                .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+                .expect("begin");
+            let claimed = queries
+                .claim(session, prepared, &limits, partitions, 0, || {})
+                .await
+                .expect("claim");
+            session.batch_execute("ROLLBACK").await.expect("rollback");
+            assert!(claimed.blocked.is_empty(), "no row is blocked here");
+            claimed
+                .batch
+                .iter()
+                .map(|e| (e.seq, e.payload.len()))
+                .collect::<Vec<_>>()
+        }
+    };
+    // Three rows of 10 bytes, each of its own key, then 100 bytes, then 1.
+    for (i, size) in [10, 10, 10, 100, 1].into_iter().enumerate() {
+        db.client
+            .execute(
+                &format!(
+                    "INSERT INTO {table} (destination, ordering_key, payload) \
+                     VALUES ('d', $1, convert_to(repeat('x', $2), 'UTF8'))"
+                ),
+                &[&format!("k{i}"), &size],
+            )
+            .await
+            .expect("insert");
+    }
+    let seqs: Vec<i64> = db
+        .client
+        .query(&format!("SELECT seq FROM {table} ORDER BY seq"), &[])
+        .await
+        .expect("seqs")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let first = |n: usize| -> Vec<(i64, usize)> {
+        seqs.iter()
+            .copied()
+            .zip([10, 10, 10, 100, 1])
+            .take(n)
+            .collect()
+    };
+    assert_eq!(kept(2, 1_000).await, first(2), "the row limit");
+    assert_eq!(kept(10, 20).await, first(2), "the byte limit");
+    assert_eq!(kept(10, 5).await, first(1), "one row always goes");
+    assert_eq!(
+        kept(10, 50).await,
+        first(3),
+        "a row that does not fit stops the batch: nothing younger goes past it"
+    );
+    assert_eq!(kept(10, 1_000).await, first(5), "everything fits");
+    db.cleanup().await;
+}
+
+/// The probes and the bodies read the rows the lock kept from the
+/// transaction's settings. Run without the lock before them, they fail: a
+/// probe that found nothing to read would let every row of every key go.
+#[tokio::test]
+async fn the_probes_refuse_to_run_without_a_lock_before_them() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let queries = Queries::new(&db.schema, true, false);
+    let session = outbox_relay::source::connect(&db.config.clone().into(), Duration::from_secs(60))
+        .await
+        .expect("connect");
+    // A lock in an earlier transaction leaves nothing behind for the next.
+    let partitions = outbox_tests::claim::all_partitions();
+    let prepared = queries.prepare(&session).await.expect("prepare");
+    session.batch_execute("BEGIN").await.expect("begin");
+    queries
+        .claim(
+            &session,
+            &prepared,
+            &ClaimLimits {
+                rows: 10,
+                bytes: 1_000,
+                park_recheck: Duration::from_secs(60),
+            },
+            &partitions,
+            0,
+            || {},
+        )
+        .await
+        .expect("a claim of an empty outbox");
+    session.batch_execute("COMMIT").await.expect("commit");
+    for (name, sql) in [
+        ("probe", queries.probe_sql().replace("$1", "0")),
+        ("bodies", queries.bodies_sql().to_owned()),
+    ] {
+        session.batch_execute("BEGIN").await.expect("begin");
+        let err = session
+            .query(sql.as_str(), &[])
+            .await
+            .expect_err(&format!("the {name} ran without a lock before it"));
+        session.batch_execute("ROLLBACK").await.expect("rollback");
+        let message = err
+            .as_db_error()
+            .map(|e| e.message().to_owned())
+            .unwrap_or_else(|| err.to_string());
+        assert!(
+            message.contains("outbox.k") || message.contains("array"),
+            "the {name} failed otherwise than for want of the lock's settings: {message}"
+        );
+    }
+    db.cleanup().await;
+}
