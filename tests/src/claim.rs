@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use outbox_client::SchemaName;
-use outbox_relay::source::claim::{ClaimLimits, Prepared, Queries};
+use outbox_relay::source::claim::{ClaimLimits, Heads, Prepared, Queries};
 use outbox_relay::source::floor::Tracker;
 use tokio_postgres::Client;
 
@@ -44,13 +44,21 @@ fn limits() -> ClaimLimits {
 /// The claim's first statement, which locks the rows, with the same
 /// arguments.
 fn lock_args(floor: i64) -> String {
-    let limits = limits();
-    format!(
-        "lock({}, {}, {floor}, {})",
-        limits.rows,
-        partitions(),
-        limits.bytes
-    )
+    format!("lock(500, {}, {floor})", partitions())
+}
+
+/// `items` as an SQL array literal of type `ty`.
+fn array<T: ToString>(items: &[T], ty: &str) -> String {
+    let quoted: Vec<String> = items
+        .iter()
+        .map(|i| {
+            format!(
+                "\"{}\"",
+                i.to_string().replace('\\', "\\\\").replace('"', "\\\"")
+            )
+        })
+        .collect();
+    format!("'{{{}}}'::{ty}", quoted.join(",").replace('\'', "''"))
 }
 
 /// A session of the relay's own, connected and set up as a worker's is,
@@ -86,9 +94,9 @@ impl ClaimSession {
         let prepared = queries.prepare(&client).await?;
         client
             .batch_execute(&format!(
-                "PREPARE lock(bigint, smallint[], bigint, bigint) AS {}; \
-                 PREPARE probe(bigint) AS {}; \
-                 PREPARE bodies AS {}",
+                "PREPARE lock(bigint, smallint[], bigint) AS {}; \
+                 PREPARE probe(text[], bigint[], bigint[], bigint) AS {}; \
+                 PREPARE bodies(bigint[]) AS {}",
                 queries.lock_sql(),
                 queries.probe_sql(),
                 queries.bodies_sql()
@@ -113,12 +121,27 @@ impl ClaimSession {
             temp_written: 0,
             jit_ms: None,
         };
-        // EXPLAIN ANALYZE runs the lock, which leaves the kept rows in the
-        // transaction's settings for the probe and the bodies, as the
-        // relay's claim does.
         self.explain(&lock_args(floor), &mut cost).await?;
-        self.explain(&format!("probe({floor})"), &mut cost).await?;
-        self.explain("bodies", &mut cost).await?;
+        // Once more for its rows: they are this transaction's own, so the
+        // lock takes the same ones again.
+        let rows = client
+            .query(&format!("EXECUTE {}", lock_args(floor)), &[])
+            .await?;
+        let heads = Heads::from_rows(&rows, &limits())?;
+        let (keys, tops, kept) = heads.probe_args();
+        if !keys.is_empty() {
+            let probe = format!(
+                "probe({}, {}, {}, {floor})",
+                array(&keys, "text[]"),
+                array(&tops, "bigint[]"),
+                array(&kept, "bigint[]")
+            );
+            self.explain(&probe, &mut cost).await?;
+        }
+        if !kept.is_empty() {
+            self.explain(&format!("bodies({})", array(&kept, "bigint[]")), &mut cost)
+                .await?;
+        }
         client.batch_execute("ROLLBACK").await?;
         let seqs = self
             .verdicts(floor)

@@ -89,21 +89,20 @@ impl Queries {
     }
 
     /// The claim's first statement, which locks its rows, for EXPLAIN.
-    /// Its parameters: rows, partitions (`smallint[]`), floor, bytes. It
-    /// leaves the kept rows in settings of the transaction, which the probe
-    /// and the bodies read.
+    /// Its parameters: rows, partitions (`smallint[]`), floor.
     pub fn lock_sql(&self) -> &str {
         &self.lock
     }
 
-    /// The head-of-key probes, for EXPLAIN after the lock in the same
-    /// transaction. Its parameter: floor.
+    /// The head-of-key probes, for EXPLAIN. Its parameters: the kept rows'
+    /// keys (`text[]`) and each key's newest kept seq (`bigint[]`), the kept
+    /// seqs (`bigint[]`), floor; [`Heads::probe_args`] gives the first three.
     pub fn probe_sql(&self) -> &str {
         &self.probe
     }
 
-    /// The kept rows' headers and payloads, for EXPLAIN after the lock in
-    /// the same transaction. No parameters.
+    /// The kept rows' headers and payloads, for EXPLAIN. Its parameter: the
+    /// kept seqs (`bigint[]`).
     pub fn bodies_sql(&self) -> &str {
         &self.bodies
     }
@@ -125,13 +124,22 @@ impl Queries {
             .batch_execute("SET enable_bitmapscan = off; SET enable_seqscan = off")
             .await?;
         let lock = client
+            .prepare_typed(&self.lock, &[Type::INT8, Type::INT2_ARRAY, Type::INT8])
+            .await?;
+        let probe = client
             .prepare_typed(
-                &self.lock,
-                &[Type::INT8, Type::INT2_ARRAY, Type::INT8, Type::INT8],
+                &self.probe,
+                &[
+                    Type::TEXT_ARRAY,
+                    Type::INT8_ARRAY,
+                    Type::INT8_ARRAY,
+                    Type::INT8,
+                ],
             )
             .await?;
-        let probe = client.prepare_typed(&self.probe, &[Type::INT8]).await?;
-        let bodies = client.prepare(&self.bodies).await?;
+        let bodies = client
+            .prepare_typed(&self.bodies, &[Type::INT8_ARRAY])
+            .await?;
         let paused = client.prepare(&self.paused).await?;
         let settle = match &self.retain {
             Some(retain) => {
@@ -161,10 +169,10 @@ impl Queries {
     /// `floor` is a seq below which no fresh row exists (see
     /// [`crate::source::floor`]); 0 when none is known.
     ///
-    /// The four statements go out together, in one round trip. `locked`
-    /// runs once every row this claim takes is locked: when the first
-    /// statement answers. A claim that follows from then on skips these
-    /// rows, while this one still receives and decodes them.
+    /// `locked` runs once every row this claim takes is locked: when the
+    /// first statement answers, before the second round trip (probes and
+    /// bodies) has gone out. A claim that follows from then on skips these
+    /// rows, while this one still works out, receives and decodes them.
     pub async fn claim(
         &self,
         tx: &Client,
@@ -174,32 +182,32 @@ impl Queries {
         floor: i64,
         locked: impl FnOnce(),
     ) -> Result<Claimed, tokio_postgres::Error> {
-        let no_params: [&(dyn ToSql + Sync); 0] = [];
-        // try_join! polls in order, and each query is sent at its first
-        // poll: the lock goes first, as the others read what it leaves in
-        // the transaction's settings, and the bodies last, so that they can
-        // be read one at a time as the envelopes are built instead of all
-        // being held at once beside them.
-        let probe_params: [&(dyn ToSql + Sync); 1] = [&floor];
-        let (heads, paused, found, bodies) = futures::try_join!(
-            async {
-                let rows = tx
-                    .query(
-                        &prepared.lock,
-                        &[&limits.rows, &partitions, &floor, &limits.bytes],
-                    )
-                    .await;
-                locked();
-                rows
-            },
-            tx.query_one(&prepared.paused, &[]),
-            tx.query(&prepared.probe, &probe_params),
-            tx.query_raw(&prepared.bodies, no_params),
-        )?;
-        let heads = Heads::from_rows(&heads)?;
+        let rows = tx
+            .query(&prepared.lock, &[&limits.rows, &partitions, &floor])
+            .await;
+        locked();
+        let heads = Heads::from_rows(&rows?, limits)?;
         if heads.rows.is_empty() {
             return Ok(Claimed::default());
         }
+        let (keys, tops, kept) = heads.probe_args();
+        let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor];
+        let bodies_params: [&(dyn ToSql + Sync); 1] = [&kept];
+        // try_join! polls in order, and each query is sent at its first
+        // poll: the three go out together, the bodies last, so that they
+        // can be read one at a time as the envelopes are built instead of
+        // all being held at once beside them.
+        let (paused, found, bodies) = futures::try_join!(
+            tx.query_one(&prepared.paused, &[]),
+            async {
+                if keys.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    tx.query(&prepared.probe, &probe_params).await
+                }
+            },
+            tx.query_raw(&prepared.bodies, bodies_params),
+        )?;
         let mut probes = HashMap::with_capacity(found.len());
         for row in &found {
             probes.insert(
@@ -359,12 +367,12 @@ impl Queries {
     }
 }
 
-/// What the claim's first statement returns of one kept row: all but its
+/// What the claim's first statement returns of one locked row: all but its
 /// headers and payload.
 #[derive(Debug, Clone, PartialEq)]
-struct Head {
+pub struct Head {
     /// The row's seq.
-    seq: i64,
+    pub seq: i64,
     message_id: Uuid,
     destination: String,
     ordering_key: Option<String>,
@@ -373,6 +381,8 @@ struct Head {
     event_type: Option<String>,
     created_at: SystemTime,
     attempts: i32,
+    /// Payload bytes.
+    size: i64,
 }
 
 impl Head {
@@ -389,25 +399,55 @@ impl Head {
             event_type: row.try_get(6)?,
             created_at: row.try_get(7)?,
             attempts: row.try_get(8)?,
+            size: row.try_get(9)?,
         })
     }
 }
 
 /// The rows a claim keeps: the oldest prefix of the locked rows that fits
 /// the batch's row and byte limits (one row always fits), so that every row
-/// left out is younger than every row kept. The lock statement chooses them.
+/// left out is younger than every row kept.
 #[derive(Debug, Default)]
-struct Heads {
+pub struct Heads {
     /// Oldest first.
-    rows: Vec<Head>,
+    pub rows: Vec<Head>,
 }
 
 impl Heads {
-    /// The lock statement's answer, in any order.
-    fn from_rows(rows: &[Row]) -> Result<Self, tokio_postgres::Error> {
-        let mut rows: Vec<Head> = rows.iter().map(Head::from_row).collect::<Result<_, _>>()?;
+    /// Keeps the oldest of `rows` (the claim's first statement's answer, in
+    /// any order) within `limits`.
+    pub fn from_rows(rows: &[Row], limits: &ClaimLimits) -> Result<Self, tokio_postgres::Error> {
+        let rows = rows.iter().map(Head::from_row).collect::<Result<_, _>>()?;
+        Ok(Self::keep(rows, limits))
+    }
+
+    fn keep(mut rows: Vec<Head>, limits: &ClaimLimits) -> Self {
         rows.sort_unstable_by_key(|h| h.seq);
-        Ok(Heads { rows })
+        let (mut n, mut bytes) = (0i64, 0i64);
+        let kept = rows
+            .iter()
+            .take_while(|h| {
+                n += 1;
+                bytes = bytes.saturating_add(h.size);
+                n <= limits.rows && (n == 1 || bytes <= limits.bytes)
+            })
+            .count();
+        rows.truncate(kept);
+        Heads { rows }
+    }
+
+    /// The probe's first three parameters: each key among the kept rows,
+    /// the key's newest kept seq, and every kept seq.
+    pub fn probe_args(&self) -> (Vec<&str>, Vec<i64>, Vec<i64>) {
+        let mut tops: HashMap<&str, i64> = HashMap::new();
+        for h in &self.rows {
+            if let Some(key) = &h.ordering_key {
+                // Oldest first, so the last seen is the newest.
+                tops.insert(key, h.seq);
+            }
+        }
+        let (keys, tops) = tops.into_iter().unzip();
+        (keys, tops, self.rows.iter().map(|h| h.seq).collect())
     }
 }
 
@@ -524,7 +564,7 @@ fn envelope(head: Head, body: &Row) -> Result<Envelope, tokio_postgres::Error> {
 mod tests {
     use super::*;
 
-    fn head(seq: i64, key: Option<&str>, destination: &str) -> Head {
+    fn head(seq: i64, key: Option<&str>, destination: &str, size: i64) -> Head {
         Head {
             seq,
             message_id: Uuid::nil(),
@@ -535,18 +575,56 @@ mod tests {
             event_type: None,
             created_at: SystemTime::UNIX_EPOCH,
             attempts: 0,
+            size,
         }
+    }
+
+    fn limits(rows: i64, bytes: i64) -> ClaimLimits {
+        ClaimLimits {
+            rows,
+            bytes,
+            park_recheck: Duration::from_secs(60),
+        }
+    }
+
+    fn seqs(heads: &Heads) -> Vec<i64> {
+        heads.rows.iter().map(|h| h.seq).collect()
+    }
+
+    #[test]
+    fn a_claim_keeps_the_oldest_rows_that_fit_and_one_row_always() {
+        let rows = || {
+            vec![
+                head(3, None, "d", 10),
+                head(1, None, "d", 10),
+                head(2, None, "d", 10),
+            ]
+        };
+        assert_eq!(seqs(&Heads::keep(rows(), &limits(2, 1_000))), [1, 2]);
+        assert_eq!(seqs(&Heads::keep(rows(), &limits(10, 20))), [1, 2]);
+        assert_eq!(
+            seqs(&Heads::keep(rows(), &limits(10, 5))),
+            [1],
+            "one row always goes"
+        );
+        // A large row stops the batch: nothing younger is kept past it.
+        let rows = vec![
+            head(1, None, "d", 10),
+            head(2, None, "d", 100),
+            head(3, None, "d", 1),
+        ];
+        assert_eq!(seqs(&Heads::keep(rows, &limits(10, 50))), [1]);
     }
 
     #[test]
     fn a_pause_holds_back_its_destination_and_the_later_rows_of_its_keys() {
         let heads = [
-            head(1, Some("a"), "x"),
-            head(2, Some("a"), "paused"),
-            head(3, Some("a"), "x"),
-            head(4, Some("b"), "x"),
-            head(5, None, "paused"),
-            head(6, None, "x"),
+            head(1, Some("a"), "x", 1),
+            head(2, Some("a"), "paused", 1),
+            head(3, Some("a"), "x", 1),
+            head(4, Some("b"), "x", 1),
+            head(5, None, "paused", 1),
+            head(6, None, "x", 1),
         ];
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
         let paused: HashSet<String> = ["paused".to_owned()].into();
@@ -566,7 +644,7 @@ mod tests {
 
     #[test]
     fn a_key_waits_behind_its_older_row_for_as_long_as_that_row_waits() {
-        let heads = [head(5, Some("a"), "x"), head(7, Some("a"), "x")];
+        let heads = [head(5, Some("a"), "x", 1), head(7, Some("a"), "x", 1)];
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
         let later = now + Duration::from_secs(30);
         let probe = |gap, gap_until| {

@@ -21,49 +21,42 @@ impl Queries {
         } else {
             "(SELECT NULL::bigint AS parked_from)".to_owned()
         };
-        // What the verdicts need of a locked row, and its small columns.
-        let heads = "seq, message_id, destination, ordering_key, routing_key, content_type, \
-                     event_type, created_at, attempts, octet_length(payload)::bigint AS size";
         Queries {
-            // A claim is one round trip of four statements, sent together
-            // (with the transaction's BEGIN). The first (`lock`) runs the
-            // two locking scans, each bounded by the batch size: fresh rows
-            // in seq order from the claim floor (see `source::floor`), and
-            // rows whose own time has come (retries, and rows set aside
-            // behind their key's head). Neither walks rows that are waiting,
-            // so what a blocked key holds back costs nothing here, and
-            // neither walks rows deleted below the floor, which an old
-            // snapshot elsewhere keeps from being marked dead. `FOR UPDATE`
-            // returns each row's newest version (a row another batch
-            // settled just before comes with its new `attempts`).
+            // A claim is two round trips. The first (`lock`) runs the two
+            // locking scans, each bounded by the batch size: fresh rows in
+            // seq order from the claim floor (see `source::floor`), and rows
+            // whose own time has come (retries, and rows set aside behind
+            // their key's head). Neither walks rows that are waiting, so what
+            // a blocked key holds back costs nothing here, and neither walks
+            // rows deleted below the floor, which an old snapshot elsewhere
+            // keeps from being marked dead. It returns what the verdicts need
+            // of each locked row and its small columns, not its headers or
+            // payload, so the relay's next claim can start as soon as it
+            // answers (the relay takes claims one at a time up to that
+            // answer). `FOR UPDATE` returns each row's newest version (a row
+            // another batch settled just before comes with its new
+            // `attempts`).
             //
-            // Of the locked rows it keeps the oldest prefix that fits the
-            // batch's row and byte limits (one row always fits), so every
-            // row left out is younger than every row kept, and returns what
-            // the verdicts need of each kept row with its small columns, not
-            // its headers or payload. Its answer lets the relay's next claim
-            // start (the relay takes claims one at a time up to that
-            // answer). It leaves the kept seqs, and each kept key with its
-            // newest kept seq, in transaction-local settings, from which the
-            // statements sent behind it read them:
-            // - `probe`, the head-of-key probes: for each kept key, the
-            //   oldest row of the key below its newest kept row that is not
-            //   kept (in flight elsewhere, waiting out a retry, set aside),
-            //   and with parking the oldest dead letter of the key. Each
-            //   statement takes a new snapshot after the rows were locked,
-            //   so it sees what committed since (the transaction must be
-            //   READ COMMITTED, which the relay's BEGIN says).
+            // The relay then takes the oldest prefix of the locked rows that
+            // fits the batch's row and byte limits (one row always fits), so
+            // every row left out is younger than every row kept, and sends
+            // three statements at once, in one round trip:
+            // - `probe`, the head-of-key probes: for each key among the kept
+            //   rows, the oldest row of the key below its newest kept row
+            //   that is not kept (in flight elsewhere, waiting out a retry,
+            //   set aside), and with parking the oldest dead letter of the
+            //   key. Each statement takes a new snapshot after the rows were
+            //   locked, so it sees what committed since (the transaction
+            //   must be READ COMMITTED, which the relay's BEGIN says).
             // - `bodies`: the headers and payloads of the kept rows, by seq.
             //   A locked row left out by the limits is never read whole.
             // - `paused`: the paused destinations, and the transaction's
             //   `now()`, against which holds are timed.
-            // The settings are read strictly: a claim whose lock left none
-            // fails rather than probing nothing and letting every row go.
             // The verdicts (`super::judge`) are worked out in the relay from
-            // these: grouping the batch by key and spreading each key's
-            // probe over its rows in SQL cost Postgres a tenth to a third of
-            // its CPU per claim (docs/benchmarks.md, "The verdicts in the
-            // relay", and "The claim in one round trip again").
+            // these: sorting and windowing the batch in SQL cost Postgres a
+            // tenth to a third of its CPU per claim (docs/benchmarks.md,
+            // "The verdicts in the relay"). The price is the second round
+            // trip before a batch is published.
             //
             // The probe looks for an older row of the key in two places: at
             // or above the floor, any row; below it, where no fresh row can
@@ -76,33 +69,20 @@ impl Queries {
             // descents like any other.
             lock: format!(
                 "WITH fresh AS ( \
-                    SELECT {heads} FROM {t} \
+                    SELECT * FROM {t} \
                     WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
                       AND seq >= $3 \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
-                    SELECT {heads} FROM {t} \
+                    SELECT * FROM {t} \
                     WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
                       AND partition = ANY($2::smallint[]) \
                     ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
-                 ), kept AS ( \
-                    SELECT * FROM ( \
-                        SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w AS bytes \
-                        FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c \
-                        WINDOW w AS (ORDER BY c.seq ROWS UNBOUNDED PRECEDING)) w \
-                    WHERE n <= $1 AND (n = 1 OR bytes <= $4) \
-                 ), noted AS ( \
-                    SELECT set_config('outbox.kept', \
-                               coalesce((SELECT array_agg(seq) FROM kept), '{{}}')::text, true) \
-                           || set_config('outbox.keys', coalesce(array_agg(k.key), '{{}}')::text, true) \
-                           || set_config('outbox.tops', coalesce(array_agg(k.top), '{{}}')::text, true) \
-                           IS NOT NULL AS done \
-                    FROM (SELECT ordering_key AS key, max(seq) AS top FROM kept \
-                          WHERE ordering_key IS NOT NULL GROUP BY ordering_key) k \
                  ) \
-                 SELECT seq, message_id, destination, ordering_key, routing_key, content_type, \
-                        event_type, created_at, attempts \
-                 FROM kept WHERE (SELECT done FROM noted)"
+                 SELECT c.seq, c.message_id, c.destination, c.ordering_key, c.routing_key, \
+                        c.content_type, c.event_type, c.created_at, c.attempts, \
+                        octet_length(c.payload)::bigint AS size \
+                 FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c"
             ),
             // Only keys with something found come back. A blocker's time is
             // returned only when it is finite: an in-flight fresh row's
@@ -111,19 +91,18 @@ impl Queries {
                 "SELECT k.key, b.seq AS gap, \
                         CASE WHEN isfinite(b.next_attempt_at) THEN b.next_attempt_at END AS gap_until, \
                         d.parked_from \
-                 FROM unnest(current_setting('outbox.keys')::text[], \
-                             current_setting('outbox.tops')::bigint[]) AS k(key, top) \
+                 FROM unnest($1::text[], $2::bigint[]) AS k(key, top) \
                  LEFT JOIN LATERAL ( \
                     SELECT o.seq, o.next_attempt_at FROM ( \
                         (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                         WHERE p.ordering_key = k.key AND p.seq >= $1 AND p.seq < k.top \
-                           AND p.seq NOT IN (SELECT unnest(current_setting('outbox.kept')::bigint[])) \
+                         WHERE p.ordering_key = k.key AND p.seq >= $4 AND p.seq < k.top \
+                           AND p.seq NOT IN (SELECT unnest($3::bigint[])) \
                          ORDER BY p.seq LIMIT 1) \
                         UNION ALL \
                         (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                         WHERE p.ordering_key = k.key AND p.seq < least($1, k.top) \
+                         WHERE p.ordering_key = k.key AND p.seq < least($4, k.top) \
                            AND p.next_attempt_at <> '-infinity' \
-                           AND p.seq NOT IN (SELECT unnest(current_setting('outbox.kept')::bigint[])) \
+                           AND p.seq NOT IN (SELECT unnest($3::bigint[])) \
                          ORDER BY p.seq LIMIT 1)) o \
                     ORDER BY o.seq LIMIT 1) b ON true \
                  CROSS JOIN LATERAL {parked_from} d \
@@ -131,8 +110,7 @@ impl Queries {
             ),
             // In seq order, as the kept rows are: the index gives that order.
             bodies: format!(
-                "SELECT seq, headers, payload FROM {t} \
-                 WHERE seq = ANY(current_setting('outbox.kept')::bigint[]) ORDER BY seq"
+                "SELECT seq, headers, payload FROM {t} WHERE seq = ANY($1::bigint[]) ORDER BY seq"
             ),
             paused: format!("SELECT now() AS now, ARRAY(SELECT destination FROM {pd}) AS paused"),
             hold: format!(
