@@ -25,7 +25,12 @@ pub async fn connect(config: &Config) -> Client {
 impl TestDb {
     /// Creates and migrates a new schema.
     pub async fn new() -> TestDb {
-        let config = Config::from_str(&crate::pg_url()).expect("valid OUTBOX_TEST_DATABASE_URL");
+        Self::new_at(Config::from_str(&crate::pg_url()).expect("valid OUTBOX_TEST_DATABASE_URL"))
+            .await
+    }
+
+    /// Creates and migrates a new schema on the server `config` names.
+    pub async fn new_at(config: Config) -> TestDb {
         let schema = SchemaName::new(&crate::unique("t")).expect("valid schema name");
         let mut client = connect(&config).await;
         outbox_client::migrate(&mut client, schema.as_str())

@@ -8,6 +8,7 @@ pub mod amqp;
 pub mod cgroup;
 pub mod check;
 pub mod claim;
+pub mod cluster;
 pub mod cpu;
 pub mod db;
 pub mod http;

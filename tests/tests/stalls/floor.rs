@@ -421,3 +421,98 @@ async fn the_floor_refuses_a_cached_sequence() {
     );
     db.cleanup().await;
 }
+
+/// A prepared transaction (two-phase commit: `PREPARE TRANSACTION`, as a
+/// transaction manager or an XA-speaking app does) holds its outbox rows
+/// uncommitted with no session behind it, for as long as its coordinator
+/// takes, and then commits them with the low seqs they got when they were
+/// written. The floor must not pass them meanwhile: with no rescan, a row
+/// the floor passed would stay in the outbox. Needs a server with
+/// `max_prepared_transactions` above 0, so it runs on a private cluster.
+#[tokio::test]
+async fn a_prepared_transaction_committed_late_is_not_passed_by_the_floor() {
+    outbox_tests::init_logging();
+    let cluster =
+        outbox_tests::cluster::PrivateCluster::start(&[("max_prepared_transactions", "4")])
+            .expect("a private Postgres cluster");
+    let config: tokio_postgres::Config = cluster.url().parse().expect("url");
+    let db = TestDb::new_at(config).await;
+    let settings = outbox_relay::Settings {
+        batch_size: 50,
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+
+    // Rows committed around it go out, and the floor has every chance to
+    // move: while its transaction is still an ordinary one, and again once
+    // it is prepared and no session is behind it (its locks then show in
+    // `pg_locks` without a pid).
+    let drain_others = |round: usize| {
+        let db = &db;
+        async move {
+            let others: Vec<Message> = (0..300)
+                .map(|i| message("x", &format!("other-{i}"), format!("other-{round}-{i}")))
+                .collect();
+            db.outbox()
+                .enqueue_batch(&db.client, &others)
+                .await
+                .expect("enqueue");
+            assert!(
+                eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+                "the rows committed beside the late one did not go out (round {round})"
+            );
+            // Claims were taken and the floor stepped many times meanwhile.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+
+    // The late row, and its seq as its own transaction saw it.
+    let writer = connect(&db.config).await;
+    writer.batch_execute("BEGIN").await.expect("begin");
+    let late = db
+        .outbox()
+        .enqueue(&writer, &message("x", "late", "prepared".to_owned()))
+        .await
+        .expect("enqueue")
+        .as_uuid();
+    let late_seq: i64 = writer
+        .query_one(
+            &format!("SELECT seq FROM {} WHERE message_id = $1", db.table()),
+            &[&late],
+        )
+        .await
+        .expect("seq")
+        .get(0);
+    drain_others(1).await;
+    writer
+        .batch_execute("PREPARE TRANSACTION 'outbox-late'")
+        .await
+        .expect("prepare transaction");
+    drop(writer);
+    drain_others(2).await;
+    let floor = relay.floor.get();
+    assert!(
+        floor <= late_seq,
+        "the floor moved to {floor}, past the prepared transaction's row {late_seq}"
+    );
+
+    db.client
+        .batch_execute("COMMIT PREPARED 'outbox-late'")
+        .await
+        .expect("commit prepared");
+    assert!(
+        eventually(PATIENCE, || async { went_out(&relay, late) }).await,
+        "the row committed by COMMIT PREPARED never went out (floor {}, row {late_seq}, {} rows left)",
+        relay.floor.get(),
+        db.pending().await
+    );
+    // The floor moves on once the prepared transaction is gone.
+    assert!(
+        eventually(PATIENCE, || async { relay.floor.get() > late_seq }).await,
+        "the floor stayed at {} after the prepared transaction committed",
+        relay.floor.get()
+    );
+    relay.stop().await;
+    drop(cluster);
+}

@@ -1,0 +1,141 @@
+//! A private Postgres cluster, for server settings the shared one cannot
+//! take without a restart (`max_prepared_transactions`, which is 0 by
+//! default and on most servers). Started with the machine's own Postgres
+//! binaries, on a free port, and stopped when dropped.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// A running private cluster.
+pub struct PrivateCluster {
+    dir: PathBuf,
+    bin: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+/// The directory holding `initdb` and `pg_ctl`: `OUTBOX_TEST_PG_BIN`, else
+/// the newest `/usr/lib/postgresql/<version>/bin` (Debian's layout).
+fn bin_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("OUTBOX_TEST_PG_BIN") {
+        return Ok(dir.into());
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let version = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, bin)| bin).ok_or_else(|| {
+        anyhow::anyhow!(
+            "no Postgres server binaries under /usr/lib/postgresql; set OUTBOX_TEST_PG_BIN"
+        )
+    })
+}
+
+impl PrivateCluster {
+    /// Creates and starts a cluster with `settings` (name, value) on top of
+    /// a test-friendly base (trust auth, no fsync, autovacuum off). Postgres
+    /// refuses to run as root, so as root it runs as the `postgres` user.
+    pub fn start(settings: &[(&str, &str)]) -> anyhow::Result<Self> {
+        let bin = bin_dir()?;
+        let as_postgres = Command::new("id").arg("-u").output()?.stdout == b"0\n";
+        let dir = std::env::temp_dir().join(crate::unique("pgcluster"));
+        std::fs::create_dir_all(&dir)?;
+        if as_postgres {
+            run(Command::new("chown").arg("postgres:").arg(&dir))?;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut cluster = PrivateCluster {
+            dir,
+            bin,
+            port,
+            as_postgres,
+        };
+        let data = cluster.dir.join("data");
+        run(cluster
+            .command("initdb")
+            .args([
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "-D",
+            ])
+            .arg(&data))?;
+        let mut options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c autovacuum=off",
+            cluster.dir.display()
+        );
+        for (name, value) in settings {
+            options.push_str(&format!(" -c {name}={value}"));
+        }
+        let started = run(cluster
+            .command("pg_ctl")
+            .args(["-w", "-t", "60", "-D"])
+            .arg(&data)
+            .arg("-l")
+            .arg(cluster.dir.join("log"))
+            .args(["-o", &options, "start"]));
+        if let Err(e) = started {
+            let log = std::fs::read_to_string(cluster.dir.join("log")).unwrap_or_default();
+            cluster.port = 0;
+            anyhow::bail!("the private cluster did not start: {e}\n{log}");
+        }
+        Ok(cluster)
+    }
+
+    /// Its connection string, as the `postgres` superuser.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let path = self.bin.join(program);
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        if self.port != 0 {
+            let _ = run(self
+                .command("pg_ctl")
+                .args(["-m", "immediate", "-D"])
+                .arg(self.data())
+                .arg("stop"));
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `command` to its end; an error names it, with its output.
+fn run(command: &mut Command) -> anyhow::Result<()> {
+    let out = command.output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{command:?} failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
