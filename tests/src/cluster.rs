@@ -98,6 +98,19 @@ impl PrivateCluster {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
+    /// Stops the server at once, as a crash would (`-m immediate`: no
+    /// shutdown checkpoint, recovery at start), and starts it again with the
+    /// same settings. Prepared transactions survive it.
+    pub fn crash_restart(&self) -> anyhow::Result<()> {
+        run(self
+            .command("pg_ctl")
+            .args(["-w", "-t", "60", "-m", "immediate", "-D"])
+            .arg(self.data())
+            .arg("-l")
+            .arg(self.dir.join("log"))
+            .arg("restart"))
+    }
+
     fn command(&self, program: &str) -> Command {
         let path = self.bin.join(program);
         if self.as_postgres {

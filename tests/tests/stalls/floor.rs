@@ -426,8 +426,9 @@ async fn the_floor_refuses_a_cached_sequence() {
 /// transaction manager or an XA-speaking app does) holds its outbox rows
 /// uncommitted with no session behind it, for as long as its coordinator
 /// takes, and then commits them with the low seqs they got when they were
-/// written. The floor must not pass them meanwhile: with no rescan, a row
-/// the floor passed would stay in the outbox. Needs a server with
+/// written, even across a crash of the server. The floor must not pass them
+/// meanwhile: with no rescan, a row the floor passed would stay in the
+/// outbox. Needs a server with
 /// `max_prepared_transactions` above 0, so it runs on a private cluster.
 #[tokio::test]
 async fn a_prepared_transaction_committed_late_is_not_passed_by_the_floor() {
@@ -436,7 +437,7 @@ async fn a_prepared_transaction_committed_late_is_not_passed_by_the_floor() {
         outbox_tests::cluster::PrivateCluster::start(&[("max_prepared_transactions", "4")])
             .expect("a private Postgres cluster");
     let config: tokio_postgres::Config = cluster.url().parse().expect("url");
-    let db = TestDb::new_at(config).await;
+    let mut db = TestDb::new_at(config).await;
     let settings = outbox_relay::Settings {
         batch_size: 50,
         claim_floor_rescan: Some(NO_RESCAN),
@@ -448,24 +449,21 @@ async fn a_prepared_transaction_committed_late_is_not_passed_by_the_floor() {
     // move: while its transaction is still an ordinary one, and again once
     // it is prepared and no session is behind it (its locks then show in
     // `pg_locks` without a pid).
-    let drain_others = |round: usize| {
-        let db = &db;
-        async move {
-            let others: Vec<Message> = (0..300)
-                .map(|i| message("x", &format!("other-{i}"), format!("other-{round}-{i}")))
-                .collect();
-            db.outbox()
-                .enqueue_batch(&db.client, &others)
-                .await
-                .expect("enqueue");
-            assert!(
-                eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-                "the rows committed beside the late one did not go out (round {round})"
-            );
-            // Claims were taken and the floor stepped many times meanwhile.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    };
+    async fn drain_others(db: &TestDb, round: usize) {
+        let others: Vec<Message> = (0..300)
+            .map(|i| message("x", &format!("other-{i}"), format!("other-{round}-{i}")))
+            .collect();
+        db.outbox()
+            .enqueue_batch(&db.client, &others)
+            .await
+            .expect("enqueue");
+        assert!(
+            eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+            "the rows committed beside the late one did not go out (round {round})"
+        );
+        // Claims were taken and the floor stepped many times meanwhile.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     // The late row, and its seq as its own transaction saw it.
     let writer = connect(&db.config).await;
@@ -484,17 +482,29 @@ async fn a_prepared_transaction_committed_late_is_not_passed_by_the_floor() {
         .await
         .expect("seq")
         .get(0);
-    drain_others(1).await;
+    drain_others(&db, 1).await;
     writer
         .batch_execute("PREPARE TRANSACTION 'outbox-late'")
         .await
         .expect("prepare transaction");
     drop(writer);
-    drain_others(2).await;
+    drain_others(&db, 2).await;
     let floor = relay.floor.get();
     assert!(
         floor <= late_seq,
         "the floor moved to {floor}, past the prepared transaction's row {late_seq}"
+    );
+    // A crash of the server keeps the prepared transaction; the relay
+    // reconnects, and its floor starts over beside it.
+    cluster
+        .crash_restart()
+        .expect("restart the private cluster");
+    db.client = connect(&db.config).await;
+    drain_others(&db, 3).await;
+    let floor = relay.floor.get();
+    assert!(
+        floor <= late_seq,
+        "after the restart the floor moved to {floor}, past the prepared transaction's row {late_seq}"
     );
 
     db.client
