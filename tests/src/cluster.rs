@@ -57,7 +57,7 @@ impl PrivateCluster {
             port,
             as_postgres,
         };
-        let data = cluster.dir.join("data");
+        let data = cluster.data();
         run(cluster
             .command("initdb")
             .args([

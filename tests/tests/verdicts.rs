@@ -401,13 +401,8 @@ async fn a_claim_keeps_the_oldest_rows_that_fit_and_one_row_always() {
             .expect("insert");
     }
     let seqs: Vec<i64> = db
-        .client
-        .query(&format!("SELECT seq FROM {table} ORDER BY seq"), &[])
-        .await
-        .expect("seqs")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .column(&format!("SELECT seq FROM {table} ORDER BY seq"))
+        .await;
     let first = |n: usize| -> Vec<(i64, usize)> {
         seqs.iter()
             .copied()
