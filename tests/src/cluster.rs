@@ -12,6 +12,9 @@ pub struct PrivateCluster {
     bin: PathBuf,
     port: u16,
     as_postgres: bool,
+    settings: Vec<(String, String)>,
+    /// Whether a server was started here and not yet stopped, for `Drop`.
+    running: bool,
 }
 
 /// The directory holding `initdb` and `pg_ctl`: `OUTBOX_TEST_PG_BIN`, else
@@ -41,23 +44,7 @@ impl PrivateCluster {
     /// a test-friendly base (trust auth, no fsync, autovacuum off). Postgres
     /// refuses to run as root, so as root it runs as the `postgres` user.
     pub fn start(settings: &[(&str, &str)]) -> anyhow::Result<Self> {
-        let bin = bin_dir()?;
-        let as_postgres = Command::new("id").arg("-u").output()?.stdout == b"0\n";
-        let dir = std::env::temp_dir().join(crate::unique("pgcluster"));
-        std::fs::create_dir_all(&dir)?;
-        if as_postgres {
-            run(Command::new("chown").arg("postgres:").arg(&dir))?;
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let mut cluster = PrivateCluster {
-            dir,
-            bin,
-            port,
-            as_postgres,
-        };
-        let data = cluster.data();
+        let mut cluster = Self::new(settings)?;
         run(cluster
             .command("initdb")
             .args([
@@ -70,27 +57,102 @@ impl PrivateCluster {
                 "--no-sync",
                 "-D",
             ])
-            .arg(&data))?;
-        let mut options = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c autovacuum=off",
-            cluster.dir.display()
-        );
-        for (name, value) in settings {
-            options.push_str(&format!(" -c {name}={value}"));
-        }
-        let started = run(cluster
+            .arg(cluster.data()))?;
+        cluster.launch()?;
+        Ok(cluster)
+    }
+
+    /// Creates and starts a streaming standby of this cluster
+    /// (`pg_basebackup -R`), with `settings` of its own. With
+    /// `synchronous_standby_names` on the primary, its commits wait for
+    /// this standby to have their WAL.
+    pub fn start_standby(&self, settings: &[(&str, &str)]) -> anyhow::Result<Self> {
+        let mut standby = Self::new(settings)?;
+        run(standby
+            .command("pg_basebackup")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-R", "-X", "stream", "--no-sync", "-D"])
+            .arg(standby.data()))?;
+        standby.launch()?;
+        Ok(standby)
+    }
+
+    /// A failover: `primary` crashes (`-m immediate`, and it stays down),
+    /// this standby is promoted and takes over the primary's port, so that
+    /// clients reconnecting to the same address find it, as behind a
+    /// floating address or a proxy. What the primary committed but had not
+    /// sent is lost.
+    pub fn take_over(&mut self, mut primary: PrivateCluster) -> anyhow::Result<()> {
+        run(primary
+            .command("pg_ctl")
+            .args(["-m", "immediate", "-D"])
+            .arg(primary.data())
+            .arg("stop"))?;
+        primary.running = false;
+        let port = primary.port;
+        run(self
             .command("pg_ctl")
             .args(["-w", "-t", "60", "-D"])
-            .arg(&data)
+            .arg(self.data())
+            .arg("promote"))?;
+        run(self
+            .command("pg_ctl")
+            .args(["-w", "-t", "60", "-m", "fast", "-D"])
+            .arg(self.data())
+            .arg("stop"))?;
+        self.port = port;
+        self.launch()
+    }
+
+    /// A new directory, owned by the user the server runs as, and a free
+    /// port; nothing started.
+    fn new(settings: &[(&str, &str)]) -> anyhow::Result<Self> {
+        let bin = bin_dir()?;
+        let as_postgres = Command::new("id").arg("-u").output()?.stdout == b"0\n";
+        let dir = std::env::temp_dir().join(crate::unique("pgcluster"));
+        std::fs::create_dir_all(&dir)?;
+        if as_postgres {
+            run(Command::new("chown").arg("postgres:").arg(&dir))?;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        Ok(PrivateCluster {
+            dir,
+            bin,
+            port,
+            as_postgres,
+            settings: settings
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            running: false,
+        })
+    }
+
+    /// Starts the server in its directory on its port.
+    fn launch(&mut self) -> anyhow::Result<()> {
+        let mut options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c autovacuum=off",
+            self.port,
+            self.dir.display()
+        );
+        for (name, value) in &self.settings {
+            options.push_str(&format!(" -c {name}={value}"));
+        }
+        let started = run(self
+            .command("pg_ctl")
+            .args(["-w", "-t", "60", "-D"])
+            .arg(self.data())
             .arg("-l")
-            .arg(cluster.dir.join("log"))
+            .arg(self.dir.join("log"))
             .args(["-o", &options, "start"]));
         if let Err(e) = started {
-            let log = std::fs::read_to_string(cluster.dir.join("log")).unwrap_or_default();
-            cluster.port = 0;
+            let log = std::fs::read_to_string(self.dir.join("log")).unwrap_or_default();
             anyhow::bail!("the private cluster did not start: {e}\n{log}");
         }
-        Ok(cluster)
+        self.running = true;
+        Ok(())
     }
 
     /// Its connection string, as the `postgres` superuser.
@@ -129,7 +191,7 @@ impl PrivateCluster {
 
 impl Drop for PrivateCluster {
     fn drop(&mut self) {
-        if self.port != 0 {
+        if self.running {
             let _ = run(self
                 .command("pg_ctl")
                 .args(["-m", "immediate", "-D"])
