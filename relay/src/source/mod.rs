@@ -113,10 +113,15 @@ pub async fn wait_for_postgres(db: &Database, wait: Duration) -> Result<(), toki
 
 /// Opens a connection for the relay's own use and drives it in the background.
 ///
-/// `synchronous_commit = off`: the relay's transactions only delete or annotate
-/// rows the broker already answered for. If a crash loses such a commit, the
-/// rows come back and are published again: a duplicate, never a loss. Waiting
-/// for the WAL flush on every batch would buy nothing.
+/// `synchronous_commit` is left as the server or role sets it (`on` unless
+/// changed), so a settle's commit returns once it is on disk. The relay's
+/// transactions only delete or annotate rows the broker already answered
+/// for, so a commit a crash of the server loses brings its rows back to be
+/// published again, never loses them; but with `off`, every settle of the
+/// last WAL-writer window (up to three `wal_writer_delay`s, and with no
+/// bound on the count: a whole drain at full speed) comes back, where the
+/// README promises at most the batches in flight. Waiting costs each batch
+/// one flush, which Postgres shares among commits arriving together.
 ///
 /// `idle_in_transaction_session_timeout` bounds how long a relay that stopped
 /// mid-batch (paused, partitioned away) can keep its claimed rows locked: the
@@ -145,7 +150,6 @@ pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, toki
     client
         .batch_execute(&format!(
             "SET application_name = 'outbox-relay'; \
-             SET synchronous_commit = off; \
              SET idle_in_transaction_session_timeout = {}; \
              SET statement_timeout = {}; \
              SET plan_cache_mode = force_generic_plan; \

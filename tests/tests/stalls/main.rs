@@ -1,7 +1,8 @@
 //! Loss and stalls under conditions the happy path never shows: returns that
 //! arrive out of step with confirms, a hot key whose head is blocked while
-//! thousands of its messages wait, several outboxes on one cluster, and
-//! messages refused before or while sending.
+//! thousands of its messages wait, several outboxes on one cluster,
+//! messages refused before or while sending, and a failover to a standby
+//! right after a drain.
 //!
 //! Every case here failed against the relay before its fix; see the comment on
 //! each test for what it caught.
@@ -9,6 +10,7 @@
 use std::time::Duration;
 
 mod blocked_head;
+mod failover;
 mod floor;
 mod idle;
 mod outboxes;

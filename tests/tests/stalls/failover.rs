@@ -1,0 +1,98 @@
+//! The Postgres server lost right after the relay settled a drain: a
+//! failover to a synchronous standby, as managed "high availability"
+//! Postgres and Patroni's synchronous mode do. How much comes back.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox_client::Message;
+use outbox_relay::publish::memory::MemoryPublisher;
+use outbox_tests::cluster::PrivateCluster;
+use outbox_tests::db::{connect, TestDb};
+use outbox_tests::{eventually, fast_settings, InProcessRelay};
+
+use super::PATIENCE;
+
+/// README's bound on duplicates: only the batches in flight when something
+/// dies are published again, at most `batch-size × (pipeline + 1)`. A
+/// settle the relay committed and went on from must survive the loss of
+/// the server. The standby receives only WAL the primary has flushed, and
+/// the primary's commits wait for the standby; a commit acknowledged
+/// before its flush (`synchronous_commit = off`) is not on the standby
+/// until the WAL writer's next flush, and every row settled in that window
+/// comes back after the failover and is published again, however large
+/// the drain. The primary's WAL writer waits 10 s between flushes (the
+/// default is 200 ms, and a commit can wait up to three of those), so the
+/// window is wide enough to see without a race.
+///
+/// Seen failing with the relay's sessions at `synchronous_commit = off`:
+/// all of the drain's rows came back.
+#[tokio::test]
+async fn a_failover_after_a_drain_brings_back_at_most_the_batches_in_flight() {
+    outbox_tests::init_logging();
+    let primary = PrivateCluster::start(&[
+        ("wal_writer_delay", "10s"),
+        ("synchronous_standby_names", "*"),
+    ])
+    .expect("a private Postgres cluster");
+    let mut standby = primary.start_standby(&[]).expect("a streaming standby");
+    let config: tokio_postgres::Config = primary.url().parse().expect("url");
+    let mut db = TestDb::new_at(config).await;
+    let settings = outbox_relay::Settings {
+        batch_size: 50,
+        ..fast_settings()
+    };
+    let bound = usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1);
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+
+    // The test's own commits wait for the flush: every row is on disk
+    // before the relay can see it.
+    let total = 10 * bound;
+    let messages: Vec<Message> = (0..total)
+        .map(|i| {
+            Message::builder("x")
+                .key(format!("k{}", i % 97))
+                .payload(format!("failover-{i}").into_bytes())
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    for chunk in messages.chunks(500) {
+        db.outbox()
+            .enqueue_batch(&db.client, chunk)
+            .await
+            .expect("enqueue");
+    }
+    let published = || relay.publisher::<MemoryPublisher>().published();
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the drain did not finish: {} rows left",
+        db.pending().await
+    );
+    let before = published().len();
+    assert_eq!(before, total, "published before the failover");
+
+    standby
+        .take_over(primary)
+        .expect("fail over to the standby");
+    db.client = connect(&db.config).await;
+    // What the failover brought back goes out again; give the relay time to
+    // reconnect and claim before reading the table.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "rows brought back by the failover did not go out: {} left",
+        db.pending().await
+    );
+    let all = published();
+    let distinct: HashSet<_> = all.iter().map(|e| e.message_id).collect();
+    assert_eq!(distinct.len(), total, "every message went out");
+    let again = all.len() - total;
+    assert!(
+        again <= bound,
+        "{again} of {total} messages settled before the failover were published again, \
+         above README's bound of batch-size × (pipeline + 1) = {bound}"
+    );
+    relay.stop().await;
+    drop(standby);
+}
