@@ -96,3 +96,121 @@ async fn a_failover_after_a_drain_brings_back_at_most_the_batches_in_flight() {
     relay.stop().await;
     drop(standby);
 }
+
+/// A synchronous standby that is gone while the primary still names it in
+/// `synchronous_standby_names`: every commit waits for it, the writers'
+/// and the relay's settles alike, and `statement_timeout` does not end that
+/// wait. The relay waits with its batches' rows locked (their deletes
+/// committed on the primary but not yet visible), publishes nothing more
+/// than the batches it was settling, and once the standby is no longer
+/// required finishes: every row out, none twice. The relay that committed
+/// its settles with `synchronous_commit = off` published all 1,000 meanwhile,
+/// none of whose settles were on a standby.
+#[tokio::test]
+async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dropped() {
+    outbox_tests::init_logging();
+    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
+    let config: tokio_postgres::Config = primary.url().parse().expect("url");
+    let db = TestDb::new_at(config).await;
+    let total = 1_000;
+    let messages: Vec<Message> = (0..total)
+        .map(|i| {
+            Message::builder("x")
+                .key(format!("k{}", i % 97))
+                .payload(format!("standby-{i}").into_bytes())
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    // Another session holds every row, so the relay's claims come back
+    // empty (they commit nothing) until it lets go.
+    let holder = connect(&db.config).await;
+    holder.batch_execute("BEGIN").await.expect("begin");
+    holder
+        .batch_execute(&format!("SELECT seq FROM {} FOR UPDATE", db.table()))
+        .await
+        .expect("lock every row");
+
+    let settings = outbox_relay::Settings {
+        batch_size: 50,
+        ..fast_settings()
+    };
+    let bound = usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1);
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let broker = relay.publisher::<MemoryPublisher>();
+    // The relay joins, which commits, while commits still go through.
+    let joined = format!("SELECT count(*) FROM {}.replicas", db.schema.quoted());
+    assert!(
+        eventually(PATIENCE, || async {
+            db.client
+                .query_one(&joined, &[])
+                .await
+                .expect("replicas")
+                .get::<_, i64>(0)
+                > 0
+        })
+        .await,
+        "the relay never joined"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Neither statement commits anything, so neither waits.
+    for sql in [
+        "ALTER SYSTEM SET synchronous_standby_names = 'gone'",
+        "SELECT pg_reload_conf()",
+    ] {
+        db.client
+            .batch_execute(sql)
+            .await
+            .expect("require a standby that does not exist");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A rollback does not wait for a standby.
+    holder.batch_execute("ROLLBACK").await.expect("rollback");
+
+    assert!(
+        eventually(PATIENCE, || async { !broker.published().is_empty() }).await,
+        "nothing was published"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stuck = broker.published().len();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        broker.published().len(),
+        stuck,
+        "the relay went on publishing while its settles could not commit"
+    );
+    assert!(
+        stuck <= bound,
+        "{stuck} published while every settle waited, above the {bound} of the batches in flight"
+    );
+    assert_eq!(
+        usize::try_from(db.pending().await).expect("count"),
+        total,
+        "a settle became visible without the standby"
+    );
+
+    for sql in [
+        "ALTER SYSTEM RESET synchronous_standby_names",
+        "SELECT pg_reload_conf()",
+    ] {
+        db.client
+            .batch_execute(sql)
+            .await
+            .expect("stop requiring the standby");
+    }
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the relay did not finish once the standby was dropped: {} rows left",
+        db.pending().await
+    );
+    let all = broker.published();
+    let distinct: HashSet<_> = all.iter().map(|e| e.message_id).collect();
+    assert_eq!(distinct.len(), total, "every message went out");
+    assert_eq!(all.len(), total, "a message went out twice");
+    relay.stop().await;
+    drop(primary);
+}
