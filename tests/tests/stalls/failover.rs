@@ -15,6 +15,19 @@ use outbox_tests::{eventually, fast_settings, InProcessRelay};
 
 use super::PATIENCE;
 
+/// `total` messages over 97 keys, each payload `prefix-i`.
+fn messages(total: usize, prefix: &str) -> Vec<Message> {
+    (0..total)
+        .map(|i| {
+            Message::builder("x")
+                .key(format!("k{}", i % 97))
+                .payload(format!("{prefix}-{i}").into_bytes())
+                .build()
+                .expect("valid")
+        })
+        .collect()
+}
+
 /// README's bound on duplicates: only the batches in flight when something
 /// dies are published again, at most `batch-size × (pipeline + 1)`. A
 /// settle the relay committed and went on from must survive the loss of
@@ -50,15 +63,7 @@ async fn a_failover_after_a_drain_brings_back_at_most_the_batches_in_flight() {
     // The test's own commits wait for the flush: every row is on disk
     // before the relay can see it.
     let total = 10 * bound;
-    let messages: Vec<Message> = (0..total)
-        .map(|i| {
-            Message::builder("x")
-                .key(format!("k{}", i % 97))
-                .payload(format!("failover-{i}").into_bytes())
-                .build()
-                .expect("valid")
-        })
-        .collect();
+    let messages = messages(total, "failover");
     for chunk in messages.chunks(500) {
         db.outbox()
             .enqueue_batch(&db.client, chunk)
@@ -115,15 +120,7 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
     let config: tokio_postgres::Config = primary.url().parse().expect("url");
     let db = TestDb::new_at(config).await;
     let total = 1_000;
-    let messages: Vec<Message> = (0..total)
-        .map(|i| {
-            Message::builder("x")
-                .key(format!("k{}", i % 97))
-                .payload(format!("standby-{i}").into_bytes())
-                .build()
-                .expect("valid")
-        })
-        .collect();
+    let messages = messages(total, "standby");
     db.outbox()
         .enqueue_batch(&db.client, &messages)
         .await
