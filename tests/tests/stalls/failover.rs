@@ -28,6 +28,12 @@ fn messages(total: usize, prefix: &str) -> Vec<Message> {
         .collect()
 }
 
+/// README's bound on what one crash or outage publishes twice: the batches
+/// in flight, `batch-size × (pipeline + 1)`.
+fn in_flight(settings: &outbox_relay::Settings) -> usize {
+    usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1)
+}
+
 /// README's bound on duplicates: only the batches in flight when something
 /// dies are published again, at most `batch-size × (pipeline + 1)`. A
 /// settle the relay committed and went on from must survive the loss of
@@ -57,7 +63,7 @@ async fn a_failover_after_a_drain_brings_back_at_most_the_batches_in_flight() {
         batch_size: 50,
         ..fast_settings()
     };
-    let bound = usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1);
+    let bound = in_flight(&settings);
     let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
 
     // The test's own commits wait for the flush: every row is on disk
@@ -138,21 +144,12 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         batch_size: 50,
         ..fast_settings()
     };
-    let bound = usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1);
+    let bound = in_flight(&settings);
     let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
     let broker = relay.publisher::<MemoryPublisher>();
     // The relay joins, which commits, while commits still go through.
-    let joined = format!("SELECT count(*) FROM {}.replicas", db.schema.quoted());
     assert!(
-        eventually(PATIENCE, || async {
-            db.client
-                .query_one(&joined, &[])
-                .await
-                .expect("replicas")
-                .get::<_, i64>(0)
-                > 0
-        })
-        .await,
+        eventually(PATIENCE, || async { db.count("replicas").await > 0 }).await,
         "the relay never joined"
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -238,7 +235,7 @@ async fn a_failover_while_writers_commit_loses_nothing() {
         batch_size: 100,
         ..fast_settings()
     };
-    let bound = usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1);
+    let bound = in_flight(&settings);
     let relay = InProcessRelay::amqp(&db, settings);
     let spec = Spec {
         max_commit_delay: Duration::from_millis(10),

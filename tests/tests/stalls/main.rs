@@ -1,11 +1,11 @@
 //! Loss and stalls under conditions the happy path never shows: returns that
 //! arrive out of step with confirms, a hot key whose head is blocked while
 //! thousands of its messages wait, several outboxes on one cluster,
-//! messages refused before or while sending, and a failover to a standby
-//! right after a drain.
+//! messages refused before or while sending, and failovers to a standby.
 //!
 //! Every case here failed against the relay before its fix; see the comment on
-//! each test for what it caught.
+//! each test for what it caught. One is coverage only, and says so: the
+//! failover while writers commit passed before the fix it sits beside.
 
 use std::time::Duration;
 
