@@ -82,6 +82,9 @@ impl PrivateCluster {
     /// clients reconnecting to the same address find it, as behind a
     /// floating address or a proxy. What the primary committed but had not
     /// sent is lost.
+    /// A standby stopped beforehand ([`PrivateCluster::stop`]) starts again
+    /// only once the primary is down, so it takes over with no more than it
+    /// had when it stopped.
     pub fn take_over(&mut self, mut primary: PrivateCluster) -> anyhow::Result<()> {
         run(primary
             .command("pg_ctl")
@@ -90,6 +93,9 @@ impl PrivateCluster {
             .arg("stop"))?;
         primary.running = false;
         let port = primary.port;
+        if !self.running {
+            self.launch()?;
+        }
         run(self
             .command("pg_ctl")
             .args(["-w", "-t", "60", "-D"])
@@ -102,6 +108,18 @@ impl PrivateCluster {
             .arg("stop"))?;
         self.port = port;
         self.launch()
+    }
+
+    /// Stops the server cleanly (`-m fast`), as a standby taken down for
+    /// maintenance or cut off from its primary would stop receiving WAL.
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        run(self
+            .command("pg_ctl")
+            .args(["-w", "-t", "60", "-m", "fast", "-D"])
+            .arg(self.data())
+            .arg("stop"))?;
+        self.running = false;
+        Ok(())
     }
 
     /// A new directory, owned by the user the server runs as, and a free
