@@ -22,6 +22,7 @@ use crate::backoff::Backoff;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::Queries;
+use crate::source::durable::{self, Durable};
 use crate::source::floor::{self, Floor};
 use crate::source::ownership::{self, Owned, OwnershipSettings};
 use crate::source::store::{PgStore, Store};
@@ -218,6 +219,14 @@ impl<P: Publisher> Relay<P> {
                 shutdown.clone(),
             ));
         }
+        let durable = Arc::new(Durable::new());
+        tracker.spawn(durable::run(
+            self.pg.clone(),
+            Arc::clone(&durable),
+            self.settings.hold_limit,
+            self.settings.reconnect_max,
+            shutdown.clone(),
+        ));
         let store = Arc::new(PgStore::new(
             self.pg.clone(),
             queries.clone(),
@@ -229,6 +238,7 @@ impl<P: Publisher> Relay<P> {
             settings: self.settings.clone(),
             stats: Arc::clone(&self.stats),
             floor,
+            durable,
             idle,
             owned,
         };
@@ -296,6 +306,7 @@ struct Workers<P: Publisher, S: Store> {
     settings: Settings,
     stats: Arc<Stats>,
     floor: Arc<Floor>,
+    durable: Arc<Durable>,
     idle: Idle,
     owned: Owned,
 }
@@ -311,6 +322,7 @@ impl<P: Publisher, S: Store> Workers<P, S> {
             let worker = Worker {
                 idle: self.idle.clone(),
                 floor: Arc::clone(&self.floor),
+                durable: Arc::clone(&self.durable),
                 in_flight: Arc::clone(&in_flight),
                 payload_budget: Arc::clone(&payload_budget),
                 payload_budget_kib,

@@ -16,6 +16,7 @@ use crate::backoff::Backoff;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::ClaimLimits;
+use crate::source::durable::Durable;
 use crate::source::floor::Floor;
 use crate::source::ownership::Owned;
 use crate::source::store::{BatchTx, OpenError, Session, Settle, Store, StoreError};
@@ -26,6 +27,8 @@ pub(super) struct Worker<P: Publisher, S: Store> {
     pub(super) idle: Idle,
     /// Where the claim's scan of fresh rows starts.
     pub(super) floor: Arc<Floor>,
+    /// Holds each batch back until its rows' commits are durable.
+    pub(super) durable: Arc<Durable>,
     pub(super) owned: Owned,
     /// Where the rows are claimed and settled.
     pub(super) store: Arc<S>,
@@ -281,6 +284,8 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 drop(claiming)
             })
             .await?;
+        // Every commit the claim could see had been made by now.
+        let seen = Instant::now();
         metrics::histogram!(crate::metrics::CLAIM).record(claimed_at.elapsed().as_secs_f64());
         if !claimed.batch.is_empty() || !claimed.blocked.is_empty() {
             self.floor.note_claim();
@@ -315,6 +320,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         if hooks::settles_before_confirm() {
             return self.settle_before_confirm(tx, &batch).await;
         }
+        // The barrier that makes these rows durable runs while the batch
+        // waits for its budget and slot.
+        self.durable.ask(seen);
         // The batch's share of the payload budget, held until it settles.
         let bytes: usize = batch.iter().map(|e| e.payload.len()).sum();
         // The claim took all a batch may hold: by rows, or by bytes (the next
@@ -333,6 +341,30 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 late: false,
             }); // closed: never, the relay owns it
         };
+        // A row whose writer committed with less than the server's default
+        // (`synchronous_commit = off` or `local`) is visible while a crash
+        // or a failover can still take it back; its event waits until
+        // neither can (see `source::durable`). A synchronous standby that
+        // is missing makes that wait last: the rows go back unpublished
+        // before another replica could take them.
+        match tokio::time::timeout_at(deadline, self.durable.wait(seen)).await {
+            Ok(true) => {}
+            // The barrier's session reconnected since the claim (Postgres
+            // restarted or failed over): claim again.
+            Ok(false) => {
+                tx.rollback().await?;
+                return Ok(BatchEnd::Empty { behind: false });
+            }
+            Err(_) => {
+                tracing::warn!(
+                    worker = self.id,
+                    waited = ?seen.elapsed(),
+                    "the claimed rows' commits did not become durable (flushed, and on the synchronous standbys) within half the hold limit; batch released unpublished"
+                );
+                tx.rollback().await?;
+                return Ok(BatchEnd::Empty { behind: false });
+            }
+        }
         // Wait for a slot: while `pipeline` batches are at the broker, this one
         // stays claimed and ready. The slot is the confirm window: it is given
         // back once the broker has answered, and the settle runs outside it.

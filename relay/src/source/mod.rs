@@ -6,11 +6,13 @@
 //! - [`database`] holds the connection settings and the TLS policy.
 //! - [`retention`] clears published rows past `--retention`.
 //! - [`floor`] keeps the claim from walking rows deleted under an old snapshot.
+//! - [`durable`] holds each claimed batch back until its rows' commits are durable.
 //! - `store` is the boundary the relay loop sees: sessions, batch
 //!   transactions, claim and settle; Postgres behind it, or memory in tests.
 
 pub mod claim;
 pub mod database;
+pub mod durable;
 pub mod floor;
 pub mod inspect;
 pub mod listener;

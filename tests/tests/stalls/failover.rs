@@ -111,14 +111,18 @@ async fn a_failover_after_a_drain_brings_back_at_most_the_batches_in_flight() {
 }
 
 /// A synchronous standby that is gone while the primary still names it in
-/// `synchronous_standby_names`: every commit waits for it, the writers'
-/// and the relay's settles alike, and `statement_timeout` does not end that
-/// wait. The relay waits with its batches' rows locked (their deletes
-/// committed on the primary but not yet visible), publishes nothing more
-/// than the batches it was settling, and once the standby is no longer
-/// required finishes: every row out, none twice. The relay that committed
-/// its settles with `synchronous_commit = off` published all 1,000 meanwhile,
-/// none of whose settles were on a standby.
+/// `synchronous_standby_names`: every commit waits for it, and
+/// `statement_timeout` does not end that wait. Rows committed before it
+/// went missing are durable, but the relay cannot tell that from rows a
+/// writer committed with `synchronous_commit = local` meanwhile: its
+/// durability barrier is a commit too, and waits. So it publishes nothing
+/// and settles nothing while the standby is missing (each batch goes back
+/// at half the hold limit), and once the standby is no longer required
+/// finishes: every row out, none twice. The relay that committed its
+/// settles with `synchronous_commit = off` published all 1,000 meanwhile,
+/// none of whose settles were on a standby; the relay that settled with
+/// `on` but published without a barrier published 97, the batches it was
+/// settling.
 #[tokio::test]
 async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dropped() {
     outbox_tests::init_logging();
@@ -167,21 +171,13 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
     // A rollback does not wait for a standby.
     holder.batch_execute("ROLLBACK").await.expect("rollback");
 
-    assert!(
-        eventually(PATIENCE, || async { !broker.published().is_empty() }).await,
-        "nothing was published"
-    );
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Time to claim many times over; every claim waits for its barrier.
+    tokio::time::sleep(Duration::from_secs(5)).await;
     let stuck = broker.published().len();
-    tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
-        broker.published().len(),
-        stuck,
-        "the relay went on publishing while its settles could not commit"
-    );
-    assert!(
-        stuck <= bound,
-        "{stuck} published while every settle waited, above the {bound} of the batches in flight"
+        stuck, 0,
+        "{stuck} published while no commit could reach the standby (the batches in flight \
+         are {bound})"
     );
     assert_eq!(
         usize::try_from(db.pending().await).expect("count"),
@@ -265,5 +261,123 @@ async fn a_failover_while_writers_commit_loses_nothing() {
     );
     relay.stop().await;
     sink.cleanup().await;
+    drop(standby);
+}
+
+/// The relay publishes a row only once the transaction that wrote it is as
+/// durable as the server makes a default commit: flushed, and on the
+/// synchronous standbys it names. A writer may commit with less
+/// (`synchronous_commit = local` or `off`): its commit is visible at once,
+/// on the primary alone, and a failover can lose it. Had the relay
+/// published its row by then, consumers would act on an event whose change
+/// never happened.
+///
+/// Here the synchronous standby stops, a writer commits order rows and
+/// their events with `synchronous_commit = local`, and the standby then
+/// takes over with only what it had. Every event published must belong to
+/// an order the new primary has, and every order it has is published.
+///
+/// Seen failing with the relay that published whatever it could claim:
+/// 97 of the 200 events of the orders the failover lost went out, as many
+/// as its workers could claim before each one's settle waited for the
+/// standby.
+#[tokio::test]
+async fn events_of_commits_a_failover_loses_are_never_published() {
+    outbox_tests::init_logging();
+    let primary = PrivateCluster::start(&[("synchronous_standby_names", "*")])
+        .expect("a private Postgres cluster");
+    let mut standby = primary.start_standby(&[]).expect("a streaming standby");
+    let config: tokio_postgres::Config = primary.url().parse().expect("url");
+    let mut db = TestDb::new_at(config).await;
+    let orders = format!("{}.orders", db.schema.quoted());
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {orders} (message_id uuid PRIMARY KEY)"
+        ))
+        .await
+        .expect("orders table");
+    let settings = outbox_relay::Settings {
+        batch_size: 50,
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let published = || relay.publisher::<MemoryPublisher>().published();
+
+    // An order and its event in one transaction, `per_tx` at a time.
+    let writer = connect(&db.config).await;
+    let outbox = db.outbox();
+    let write = |prefix: &'static str, total: usize| {
+        let (writer, outbox, orders) = (&writer, &outbox, &orders);
+        async move {
+            for chunk in messages(total, prefix).chunks(20) {
+                writer.batch_execute("BEGIN").await.expect("begin");
+                let ids = outbox.enqueue_batch(writer, chunk).await.expect("enqueue");
+                for id in ids {
+                    writer
+                        .execute(&format!("INSERT INTO {orders} VALUES ($1)"), &[&id.0])
+                        .await
+                        .expect("order row");
+                }
+                writer.batch_execute("COMMIT").await.expect("commit");
+            }
+        }
+    };
+
+    // While the standby streams, everything goes out.
+    write("before", 100).await;
+    assert!(
+        eventually(PATIENCE, || async { published().len() >= 100 }).await,
+        "the relay did not publish the first orders: {} of 100",
+        published().len()
+    );
+
+    standby.stop().expect("stop the standby");
+    writer
+        .batch_execute("SET synchronous_commit = local")
+        .await
+        .expect("commit without waiting for the standby");
+    write("local", 200).await;
+    assert_eq!(
+        db.pending().await,
+        200,
+        "the orders committed locally are visible, their events waiting"
+    );
+    // Time enough to claim and publish many times over.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before_failover = published().len();
+
+    standby
+        .take_over(primary)
+        .expect("fail over to the standby");
+    db.client = connect(&db.config).await;
+    let kept: HashSet<uuid::Uuid> = db
+        .column::<uuid::Uuid>(&format!("SELECT message_id FROM {orders}"))
+        .await
+        .into_iter()
+        .collect();
+    assert!(
+        kept.len() >= 100 && kept.len() < 300,
+        "the new primary has {} orders: the failover was meant to lose the local commits",
+        kept.len()
+    );
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the relay did not drain the new primary: {} rows left",
+        db.pending().await
+    );
+    let all = published();
+    let phantoms = all.iter().filter(|e| !kept.contains(&e.message_id)).count();
+    assert_eq!(
+        phantoms, 0,
+        "{phantoms} events published for orders the failover lost \
+         ({before_failover} published before it)"
+    );
+    let out: HashSet<uuid::Uuid> = all.iter().map(|e| e.message_id).collect();
+    assert!(
+        kept.is_subset(&out),
+        "{} orders the new primary kept were never published",
+        kept.difference(&out).count()
+    );
+    relay.stop().await;
     drop(standby);
 }

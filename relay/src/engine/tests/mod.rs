@@ -115,6 +115,7 @@ fn start(settings: Settings, store: MemoryStore, broker: Broker) -> Loop {
         settings,
         stats: Arc::clone(&stats),
         floor: Arc::new(Floor::default()),
+        durable: Arc::new(crate::source::durable::Durable::off()),
         idle: idle.clone(),
         owned,
     }
