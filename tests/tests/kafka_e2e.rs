@@ -32,10 +32,12 @@ async fn every_message_keyed_with_headers_in_key_order() {
     let written = workload::run(&db.config, &db.outbox(), &spec).await;
     assert!(
         eventually(PATIENCE, || async {
-            kafka.count() >= written.committed.len()
+            check(&written, &seen_kafka(&kafka.records()))
+                .lost
+                .is_empty()
         })
         .await,
-        "only {} of {} consumed",
+        "only {} records for {} committed messages",
         kafka.count(),
         written.committed.len()
     );
