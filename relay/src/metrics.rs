@@ -20,6 +20,9 @@ pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
 pub const PUBLISH: &str = "outbox_publish_seconds";
 /// Seconds one claim statement took, whether it found rows or not.
 pub const CLAIM: &str = "outbox_claim_seconds";
+/// Seconds a claimed batch waited for its rows' commits to become durable
+/// before its publish (see `source::durable`).
+pub const DURABLE_WAIT: &str = "outbox_durable_wait_seconds";
 /// Rows waiting, by `destination` (database-wide; one replica exports it).
 pub const BACKLOG: &str = "outbox_backlog_messages";
 /// Age of the oldest waiting row, by `destination` (database-wide).
@@ -54,6 +57,7 @@ pub const ALL: &[&str] = &[
     COMMIT_TO_CONFIRM,
     PUBLISH,
     CLAIM,
+    DURABLE_WAIT,
     BACKLOG,
     OLDEST_PENDING,
     RETRIES,
@@ -80,6 +84,7 @@ const HELP: &[(&str, &str)] = &[
     (COMMIT_TO_CONFIRM, "Seconds from a row's commit to the broker's confirm."),
     (PUBLISH, "Seconds one batch spent waiting for the broker's answers."),
     (CLAIM, "Seconds one claim statement took in Postgres, round trip included, whether it found rows or not; claims are taken one at a time per replica."),
+    (DURABLE_WAIT, "Seconds a claimed batch waited, before its publish, for its rows' commits to be flushed and on the synchronous standbys; a batch that waited half the hold limit went back unpublished."),
     (BACKLOG, "Messages waiting in the outbox, by destination (database-wide, from one replica)."),
     (OLDEST_PENDING, "Age in seconds of the oldest waiting message, by destination (database-wide, from one replica)."),
     (RETRIES, "Rejected attempts that will be retried."),

@@ -347,7 +347,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // neither can (see `source::durable`). A synchronous standby that
         // is missing makes that wait last: the rows go back unpublished
         // before another replica could take them.
-        match tokio::time::timeout_at(deadline, self.durable.wait(seen)).await {
+        let durable = tokio::time::timeout_at(deadline, self.durable.wait(seen)).await;
+        metrics::histogram!(crate::metrics::DURABLE_WAIT).record(seen.elapsed().as_secs_f64());
+        match durable {
             Ok(true) => {}
             // The barrier's session reconnected since the claim (Postgres
             // restarted or failed over): claim again.

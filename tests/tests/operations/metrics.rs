@@ -156,6 +156,11 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         "failed batches counted:\n{last}"
     );
     assert!(!last.contains("batch_failed"), "{last}");
+    // Every published batch first waited for its rows to be durable.
+    assert!(
+        sample(&last, "outbox_durable_wait_seconds_count").is_some_and(|n| n >= 1.0),
+        "durability waits recorded:\n{last}"
+    );
     assert_eq!(
         sample(&last, "outbox_database_gauges_exporter"),
         Some(1.0),
