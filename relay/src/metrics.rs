@@ -14,7 +14,8 @@ pub const MESSAGES: &str = "outbox_messages_total";
 /// Batches that failed as a whole (broker unreachable, no confirm in time):
 /// their rows stay in the outbox and go out again, with no attempt counted.
 pub const BATCH_FAILURES: &str = "outbox_batch_failures_total";
-/// Seconds from a row's commit (its `created_at`) to the broker's confirm.
+/// Seconds from a row's `created_at` (the start of the transaction that
+/// wrote it) to the broker's confirm, before the relay's settle.
 pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
 /// Seconds one batch spent waiting for the broker.
 pub const PUBLISH: &str = "outbox_publish_seconds";
@@ -81,7 +82,7 @@ pub const DATABASE_WIDE: &[&str] = &[BACKLOG, OLDEST_PENDING, DEAD_LETTERS, PARK
 const HELP: &[(&str, &str)] = &[
     (MESSAGES, "Messages handled, by destination and result (published, rejected, dead_lettered); a rejection counts per attempt."),
     (BATCH_FAILURES, "Batches that failed as a whole (broker unreachable or no confirm in time); their rows are published again and no attempt is counted."),
-    (COMMIT_TO_CONFIRM, "Seconds from a row's commit to the broker's confirm."),
+    (COMMIT_TO_CONFIRM, "Seconds from a row's created_at (the start of the transaction that wrote it) to the broker's confirm."),
     (PUBLISH, "Seconds one batch spent waiting for the broker's answers."),
     (CLAIM, "Seconds one claim statement took in Postgres, round trip included, whether it found rows or not; claims are taken one at a time per replica."),
     (DURABLE_WAIT, "Seconds a claimed batch waited, before its publish, for its rows' commits to be flushed and on the synchronous standbys; a batch that waited half the hold limit went back unpublished."),

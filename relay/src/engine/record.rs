@@ -6,15 +6,19 @@ use super::plan::SettlePlan;
 use crate::envelope::Envelope;
 
 /// Counts each settled message under its destination and result, and
-/// records commit-to-confirm latency for the published ones: one pass over
-/// the batch, one label lookup per destination.
-pub(super) fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
+/// records, for the published ones, the latency from the row's
+/// `created_at` to `answered`, when the broker's answers came: one pass
+/// over the batch, one label lookup per destination.
+pub(super) fn record_settled(
+    batch: &[Envelope],
+    plan: &SettlePlan,
+    answered: std::time::SystemTime,
+) {
     const PUBLISHED: &str = "published";
     let mut result_of: HashMap<i64, &'static str> = HashMap::new();
     result_of.extend(plan.published.iter().map(|p| (p.0.seq, PUBLISHED)));
     result_of.extend(plan.failed.iter().map(|f| (f.0, "rejected")));
     result_of.extend(plan.dead.iter().map(|d| (d.0, "dead_lettered")));
-    let now = std::time::SystemTime::now();
     let latency = metrics::histogram!(crate::metrics::COMMIT_TO_CONFIRM);
     let mut counts: HashMap<(&str, &'static str), u64> = HashMap::new();
     for env in batch {
@@ -25,7 +29,7 @@ pub(super) fn record_settled(batch: &[Envelope], plan: &SettlePlan) {
             .entry((env.destination.as_str(), result))
             .or_default() += 1;
         if result == PUBLISHED {
-            if let Ok(d) = now.duration_since(env.created_at) {
+            if let Ok(d) = answered.duration_since(env.created_at) {
                 latency.record(d.as_secs_f64());
             }
         }

@@ -411,6 +411,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         };
         metrics::histogram!(crate::metrics::PUBLISH)
             .record(publish_started.elapsed().as_secs_f64());
+        // Consumers can have the messages from here; the settle below is
+        // the relay's own bookkeeping.
+        let answered = std::time::SystemTime::now();
         self.stats.add_in_flight(-(batch.len() as i64));
         self.stats.note_broker(published.as_ref().err());
         let outcomes = match published {
@@ -456,7 +459,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
 
         self.stats
             .count(Event::Published, plan.published.len() as u64);
-        record_settled(&batch, &plan);
+        record_settled(&batch, &plan, answered);
         self.stats.count(Event::Rejected, plan.failed.len() as u64);
         self.stats.count(Event::HeldBack, plan.held as u64);
         for (seq, reason, delay) in &plan.failed {

@@ -16,7 +16,10 @@
 //!   default settings, writes at each fixed rate (default 1,000 and 5,000
 //!   msg/s, one 1 KiB message per transaction from 16 connections), and
 //!   reports commit-to-consumer p50, p99 and max, the relay's CPU seconds per
-//!   10,000 messages, its CPU while idle, and its peak RSS.
+//!   10,000 messages, its CPU while idle, and its peak RSS. Under each rate,
+//!   the means of the relay's own stage histograms (claim, durable wait,
+//!   publish, a row's insert to its confirm) beside the mean commit to consumer
+//!   say which side of the broker's confirm the time goes.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -31,6 +34,17 @@ use rdkafka::Message as _;
 
 const CLIENTS: [usize; 4] = [1, 4, 16, 64];
 const PAYLOAD: usize = 1024;
+
+/// The relay's histograms whose means `latency` prints, with their labels:
+/// every claim (most find nothing while the relay keeps up), a claimed
+/// batch's wait for its rows to be durable, its publish, and a message's
+/// commit to the broker's confirm.
+const STAGES: [(&str, &str); 4] = [
+    ("outbox_claim_seconds", "claim"),
+    ("outbox_durable_wait_seconds", "durable wait"),
+    ("outbox_publish_seconds", "publish"),
+    ("outbox_commit_to_confirm_seconds", "insert to confirm"),
+];
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let argv: Vec<String> = std::env::args().collect();
@@ -430,6 +444,17 @@ async fn latency(
         )
         .unwrap_or(0.0)
     };
+    // Where a batch's time goes: the relay's own histograms, as (sum,
+    // count) pairs, in the order of `STAGES`.
+    let stages = || async move {
+        let text = outbox_tests::http::scrape(http_port).await;
+        STAGES.map(|(name, _)| {
+            let part = |suffix: &str| {
+                outbox_tests::http::sample(&text, &format!("{name}_{suffix}")).unwrap_or(0.0)
+            };
+            (part("sum"), part("count"))
+        })
+    };
     let mut relay = tokio::process::Command::new(&bin)
         .arg("run")
         .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
@@ -467,6 +492,7 @@ async fn latency(
         commits.lock().expect("lock").resize(next_seq + total, None);
         let cpu_from = cpu_time_of(pid).unwrap_or_default();
         let batches_from = batches().await;
+        let stages_from = stages().await;
         // Counted, not copied: a copy of every delivery each time round the
         // wait below would take the machine from the relay it measures.
         let received = || match &rabbit {
@@ -529,6 +555,29 @@ async fn latency(
             total as f64 / batches.max(1.0),
             total as f64 / wrote.as_secs_f64(),
             l.len()
+        );
+        let stages_to = stages().await;
+        let means: Vec<String> = STAGES
+            .iter()
+            .zip(stages_from.iter().zip(&stages_to))
+            .map(|((_, label), ((sum0, n0), (sum1, n1)))| {
+                let n = n1 - n0;
+                let mean = if n > 0.0 {
+                    (sum1 - sum0) / n * 1e3
+                } else {
+                    f64::NAN
+                };
+                format!("{label} {mean:.2} ms")
+            })
+            .collect();
+        // Against the relay's insert to confirm (a little longer than commit
+        // to confirm), this shows how long the broker took to hand a
+        // confirmed message to the consumer.
+        let mean = l.iter().sum::<f64>() / l.len().max(1) as f64;
+        println!(
+            "{:>8} means: {}; commit to consumer {mean:.2} ms",
+            "",
+            means.join(", ")
         );
         next_seq += total;
     }
