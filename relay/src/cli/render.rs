@@ -129,6 +129,15 @@ pub(super) fn status_text(v: &Status) -> String {
                     human_age(Some(*down_for_s)),
                     error.as_deref().unwrap_or("")
                 ),
+                Blocker::CommitsWaitForStandby {
+                    waiting,
+                    longest_s,
+                    why,
+                } => writeln!(
+                    o,
+                    "  {waiting} commit(s) waiting up to {} for a synchronous standby: {why}",
+                    human_age(*longest_s),
+                ),
                 Blocker::NoRelay { why } | Blocker::PartitionsUnowned { why, .. } => {
                     writeln!(o, "  {why}")
                 }

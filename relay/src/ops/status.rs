@@ -174,6 +174,17 @@ pub enum Blocker {
         /// The error it last saw.
         error: Option<String>,
     },
+    /// Commits that have waited over a second for a synchronous standby:
+    /// one that `synchronous_standby_names` requires is missing or far
+    /// behind. The relay's settles and durability barrier wait too.
+    CommitsWaitForStandby {
+        /// Sessions whose commit waits (those the caller may see).
+        waiting: i64,
+        /// The longest wait so far, in seconds.
+        longest_s: Option<f64>,
+        /// Why it matters.
+        why: &'static str,
+    },
     /// Messages wait and no replica runs.
     NoRelay {
         /// Why it matters.
@@ -308,12 +319,33 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
         .collect();
 
     let mut blockers = Vec::new();
+    // A commit waits for a synchronous standby in `SyncRep` for a few
+    // milliseconds at most while the standby keeps up; over a second, one
+    // is missing or far behind, and every default commit waits with it.
+    let standby = client
+        .query_one(
+            "SELECT count(*), max(extract(epoch FROM now() - state_change))::float8 \
+             FROM pg_stat_activity \
+             WHERE wait_event = 'SyncRep' AND state_change < now() - interval '1 second'",
+            &[],
+        )
+        .await?;
+    let waiting: i64 = standby.get(0);
+    if waiting > 0 {
+        blockers.push(Blocker::CommitsWaitForStandby {
+            waiting,
+            longest_s: standby.get(1),
+            why: "a synchronous standby (synchronous_standby_names) has not confirmed them: the relay's settles and durability barrier wait too, and no batch is published until the standby confirms or is no longer required; see pg_stat_replication",
+        });
+    }
+    // Transactions stuck only in such a commit are that blocker, not this.
     for r in client
         .query(
             "SELECT pid, application_name, state, extract(epoch FROM now() - xact_start)::float8 \
              FROM pg_stat_activity \
              WHERE xact_start < now() - interval '10 seconds' AND pid <> pg_backend_pid() \
                AND datname = current_database() \
+               AND wait_event IS DISTINCT FROM 'SyncRep' \
              ORDER BY xact_start LIMIT 5",
             &[],
         )

@@ -184,6 +184,18 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         total,
         "a settle became visible without the standby"
     );
+    // `outbox-relay status` names the cause (reading needs no standby).
+    let status = outbox_relay::ops::status(&db.client, &db.schema)
+        .await
+        .expect("status");
+    assert!(
+        status.blockers.iter().any(|b| matches!(
+            b,
+            outbox_relay::ops::Blocker::CommitsWaitForStandby { waiting, .. } if *waiting >= 1
+        )),
+        "status does not name the missing standby: {:?}",
+        status.blockers
+    );
 
     for sql in [
         "ALTER SYSTEM RESET synchronous_standby_names",
