@@ -148,6 +148,12 @@ pub async fn run(
 ) {
     let session = || async {
         let client = super::connect(&pg, hold_limit).await?;
+        // Named apart from the workers' sessions, so that operators can
+        // tell it in pg_stat_activity (waiting in `SyncRep` when a
+        // synchronous standby is missing).
+        client
+            .batch_execute("SET application_name = 'outbox-relay-durable'")
+            .await?;
         // The role or server may commit with less than `on`; the barrier
         // must not, or it would return before what it covers is durable.
         let level: String = client

@@ -196,6 +196,21 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         "status does not name the missing standby: {:?}",
         status.blockers
     );
+    // As the runbook tells operators to look for it.
+    let barrier_waits: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = 'outbox-relay-durable' AND wait_event = 'SyncRep'",
+            &[],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0);
+    assert_eq!(
+        barrier_waits, 1,
+        "the barrier session waits for the standby"
+    );
 
     for sql in [
         "ALTER SYSTEM RESET synchronous_standby_names",
