@@ -131,6 +131,16 @@ pub struct InProcessRelay {
 impl InProcessRelay {
     /// Starts a RabbitMQ relay on `db`'s schema.
     pub fn amqp(db: &db::TestDb, settings: outbox_relay::Settings) -> InProcessRelay {
+        Self::amqp_on(db.config.clone(), db, settings)
+    }
+
+    /// Starts a RabbitMQ relay on `db`'s schema that reaches Postgres
+    /// through `database` (e.g. with session options of its own).
+    pub fn amqp_on(
+        database: impl Into<outbox_relay::source::Database>,
+        db: &db::TestDb,
+        settings: outbox_relay::Settings,
+    ) -> InProcessRelay {
         let publisher = outbox_relay::publish::amqp::AmqpPublisher::new(
             outbox_relay::publish::amqp::AmqpSettings {
                 url: amqp_url(),
@@ -139,7 +149,7 @@ impl InProcessRelay {
                 ca_pem: None,
             },
         );
-        Self::with(db, publisher, settings)
+        Self::on(database, db, publisher, settings)
     }
 
     /// Starts a Kafka relay on `db`'s schema, producing to `brokers`.

@@ -7,7 +7,6 @@
 
 use std::time::Duration;
 
-use outbox_relay::publish::amqp::{AmqpPublisher, AmqpSettings};
 use outbox_tests::db::TestDb;
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
@@ -30,13 +29,7 @@ async fn a_server_that_ends_idle_sessions_loses_nothing() {
     let burst = Sink::amqp().await;
     let mut config = db.config.clone();
     config.options("-c idle_session_timeout=300");
-    let publisher = AmqpPublisher::new(AmqpSettings {
-        url: outbox_tests::amqp_url(),
-        confirm_timeout: Duration::from_secs(10),
-        connect_timeout: Duration::from_secs(5),
-        ca_pem: None,
-    });
-    let relay = InProcessRelay::on(config, &db, publisher, fast_settings());
+    let relay = InProcessRelay::amqp_on(config, &db, fast_settings());
 
     let spec = Spec {
         max_commit_delay: Duration::from_secs(1),
