@@ -111,6 +111,13 @@ pub fn check(written: &Written, seen: &[Seen]) -> Report {
     report
 }
 
+/// True once every message `written` committed is among `seen`. Waiting for
+/// a count would not do: duplicates make the count reach the number
+/// committed while a first delivery is still on its way.
+pub fn all_seen(written: &Written, seen: &[Seen]) -> bool {
+    check(written, seen).lost.is_empty()
+}
+
 /// Appends one row of the summary table for `scenario` under `dir` (the suites
 /// pass `env!("CARGO_TARGET_TMPDIR")`); `tests/run.sh` prints the table at the
 /// end of the run. Also prints the row to the test's own output.

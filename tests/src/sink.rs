@@ -93,7 +93,7 @@ impl Sink {
             "outbox not drained within {patience:?}"
         );
         let reread = std::cell::Cell::new(0);
-        let all_seen = || check(written, &self.seen()).lost.is_empty();
+        let all_seen = || crate::check::all_seen(written, &self.seen());
         eventually(patience, || async {
             if self.count() < written.committed.len() {
                 return false;

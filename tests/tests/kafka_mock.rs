@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use outbox_relay::publish::kafka::{KafkaPublisher, KafkaSettings};
 use outbox_relay::publish::{Envelope, Publisher, Receipt};
-use outbox_tests::check::check;
+use outbox_tests::check::{all_seen, check};
 use outbox_tests::db::TestDb;
 use outbox_tests::kafka::Fixture;
 use outbox_tests::workload::{self, Spec};
@@ -51,14 +51,9 @@ where
         eventually(PATIENCE, || async { db.pending().await == 0 }).await,
         "{name}: not drained"
     );
-    // Waits for every committed id, not for a count: duplicates make the
-    // count reach the number committed while a first delivery is still on
-    // its way. A shortfall is judged by the checker below, which names what
-    // is lost.
+    // A shortfall is judged by the checker below, which names what is lost.
     eventually(PATIENCE, || async {
-        check(&written, &seen_kafka(&consumer.records()))
-            .lost
-            .is_empty()
+        all_seen(&written, &seen_kafka(&consumer.records()))
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -45,6 +45,8 @@ const STAGES: [(&str, &str); 4] = [
     ("outbox_publish_seconds", "publish"),
     ("outbox_commit_to_confirm_seconds", "insert to confirm"),
 ];
+/// Where `outbox_publish_seconds` is in `STAGES`: one sample per batch.
+const PUBLISH_STAGE: usize = 2;
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let argv: Vec<String> = std::env::args().collect();
@@ -433,19 +435,12 @@ async fn latency(
             exchange
         }
     };
-    // The relay's metrics tell how many batches carried the messages.
     let http_port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
-    let batches = || async move {
-        outbox_tests::http::sample(
-            &outbox_tests::http::scrape(http_port).await,
-            "outbox_publish_seconds_count",
-        )
-        .unwrap_or(0.0)
-    };
     // Where a batch's time goes: the relay's own histograms, as (sum,
-    // count) pairs, in the order of `STAGES`.
+    // count) pairs, in the order of `STAGES`. The publish count is also
+    // how many batches carried the messages.
     let stages = || async move {
         let text = outbox_tests::http::scrape(http_port).await;
         STAGES.map(|(name, _)| {
@@ -491,7 +486,6 @@ async fn latency(
         let total = (rate * seconds) as usize;
         commits.lock().expect("lock").resize(next_seq + total, None);
         let cpu_from = cpu_time_of(pid).unwrap_or_default();
-        let batches_from = batches().await;
         let stages_from = stages().await;
         // Counted, not copied: a copy of every delivery each time round the
         // wait below would take the machine from the relay it measures.
@@ -542,7 +536,8 @@ async fn latency(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let cpu = cpu_time_of(pid).unwrap_or_default() - cpu_from;
-        let batches = batches().await - batches_from;
+        let stages_to = stages().await;
+        let batches = stages_to[PUBLISH_STAGE].1 - stages_from[PUBLISH_STAGE].1;
         let l = latencies(&rabbit, &receipts, &commits, next_seq);
         println!(
             "{:>8} {:>9} {:>9.1} {:>9.1} {:>9.1} {:>14.2} {:>10.1}   (writers kept {:.0}/s; {} received)",
@@ -556,7 +551,6 @@ async fn latency(
             total as f64 / wrote.as_secs_f64(),
             l.len()
         );
-        let stages_to = stages().await;
         let means: Vec<String> = STAGES
             .iter()
             .zip(stages_from.iter().zip(&stages_to))
