@@ -94,7 +94,11 @@ pub async fn collect(
     shutdown: CancellationToken,
 ) {
     let lock_sql = "SELECT pg_try_advisory_lock(hashtext('outbox-metrics:' || $1))";
-    let mut client: Option<tokio_postgres::Client> = None;
+    let mut client: Option<crate::source::Session> = None;
+    // The session's statement_timeout is 30 s: past a minute, nothing is
+    // answering, and the session is given up (see `source::answered`).
+    let bound = Duration::from_secs(60);
+    let mut unanswered = false;
     let mut holding = false;
     let mut seen: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
     let mut next_read = tokio::time::Instant::now();
@@ -116,8 +120,11 @@ pub async fn collect(
                 0.0
             },
         );
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
+        if unanswered || client.as_ref().is_none_or(|c| c.is_closed()) {
             holding = false;
+            unanswered = false;
+            // Closes a given-up session's socket before opening another.
+            drop(client.take());
             client = crate::source::connect(&pg, Duration::from_secs(60))
                 .await
                 .ok();
@@ -126,17 +133,20 @@ pub async fn collect(
         let mut snapshot = None;
         if let Some(c) = &client {
             if !holding {
-                holding = c
-                    .query_one(lock_sql, &[&schema.as_str()])
-                    .await
-                    .is_ok_and(|r| r.get::<_, bool>(0));
+                let locked = c
+                    .answered(bound, c.query_one(lock_sql, &[&schema.as_str()]))
+                    .await;
+                unanswered = is_unanswered(&locked);
+                holding = locked.is_ok_and(|r| r.get::<_, bool>(0));
             }
             if holding && !due {
                 // Between reads: the last reading stands.
                 snapshot = db.lock().unwrap_or_else(|p| p.into_inner()).take();
             } else if holding {
                 let started = tokio::time::Instant::now();
-                snapshot = read_db_gauges(c, &schema).await.ok();
+                let read = c.answered(bound, read_db_gauges(c, &schema)).await;
+                unanswered = is_unanswered(&read);
+                snapshot = read.ok();
                 next_read = started + every.max(started.elapsed() * 20);
                 if let Some(g) = snapshot.as_mut() {
                     // A drained destination reads 0, not nothing.
@@ -154,6 +164,15 @@ pub async fn collect(
             _ = tokio::time::sleep(every) => {}
         }
     }
+}
+
+/// The session got no answer, or was given up with one that got none.
+fn is_unanswered<T>(done: &Result<T, crate::source::PgFault>) -> bool {
+    use crate::source::PgFault;
+    matches!(
+        done,
+        Err(PgFault::Unanswered(_) | PgFault::GivenUpWithOthers)
+    )
 }
 
 async fn read_db_gauges(

@@ -65,7 +65,7 @@ fn array<T: ToString>(items: &[T], ty: &str) -> String {
 /// with the relay's claim prepared on it: what it runs uses the plans the
 /// relay's would, cached from their first execution as the relay's are.
 pub struct ClaimSession {
-    client: Client,
+    client: outbox_relay::source::Session,
     queries: Queries,
     prepared: Prepared,
 }

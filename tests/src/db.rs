@@ -23,6 +23,16 @@ pub async fn connect(config: &Config) -> Client {
 }
 
 impl TestDb {
+    /// The server's `host:port`, for a proxy to forward to.
+    pub fn address(&self) -> String {
+        let host = match self.config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            _ => "127.0.0.1".to_owned(),
+        };
+        let port = self.config.get_ports().first().copied().unwrap_or(5432);
+        format!("{host}:{port}")
+    }
+
     /// Creates and migrates a new schema.
     pub async fn new() -> TestDb {
         Self::new_at(Config::from_str(&crate::pg_url()).expect("valid OUTBOX_TEST_DATABASE_URL"))

@@ -17,6 +17,14 @@ pub enum Mode {
     /// Accept connections and forward nothing; open ones stall (a network that
     /// silently drops packets). Leaving this mode closes them.
     BlackHole,
+    /// Open connections, and those accepted while in this mode, go silent
+    /// for the proxy's life: the peer's kernel still acknowledges every byte
+    /// and every keepalive probe, and nothing ever answers or closes. This is
+    /// a load balancer (HAProxy in front of a Patroni cluster, say) whose
+    /// backend vanished, without a rule that shuts its sessions down. Leaving
+    /// this mode lets new connections through; the stranded ones stay
+    /// silent.
+    Strand,
 }
 
 /// A running proxy from `127.0.0.1:port` to an upstream address.
@@ -70,6 +78,7 @@ async fn serve(mut client: TcpStream, upstream: String, mut mode: watch::Receive
     let current = *mode.borrow_and_update();
     match current {
         Mode::Refuse => {}
+        Mode::Strand => strand(&mut mode).await,
         Mode::BlackHole => {
             // Hold the socket, read nothing, answer nothing, until the mode changes.
             let _ = mode.changed().await;
@@ -81,16 +90,27 @@ async fn serve(mut client: TcpStream, upstream: String, mut mode: watch::Receive
             tokio::select! {
                 _ = copy_bidirectional(&mut client, &mut server) => {}
                 _ = wait_until_not_pass(&mut mode) => {
-                    if *mode.borrow() == Mode::BlackHole {
+                    let now = *mode.borrow();
+                    match now {
                         // Stop forwarding but keep both sockets open: the peer
                         // sees silence, not a reset.
-                        let _ = mode.changed().await;
+                        Mode::BlackHole => {
+                            let _ = mode.changed().await;
+                        }
+                        Mode::Strand => strand(&mut mode).await,
+                        Mode::Refuse | Mode::Pass => {}
                     }
                 }
             }
         }
     }
     // Dropping the sockets closes them.
+}
+
+/// Holds a connection open and silent until the proxy is dropped, whatever
+/// the mode becomes.
+async fn strand(mode: &mut watch::Receiver<Mode>) {
+    while mode.changed().await.is_ok() {}
 }
 
 async fn wait_until_not_pass(mode: &mut watch::Receiver<Mode>) {

@@ -47,15 +47,6 @@ async fn deliver_200(db: &TestDb, destination: &str, delivered: impl Fn() -> usi
 }
 
 /// host:port of the test database, for the proxy's upstream.
-fn postgres_upstream(db: &TestDb) -> String {
-    let host = match db.config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "127.0.0.1".to_owned(),
-    };
-    let port = db.config.get_ports().first().copied().unwrap_or(5432);
-    format!("{host}:{port}")
-}
-
 fn tls_url(db: &TestDb, port: u16, ca: &std::path::Path) -> String {
     format!(
         "postgres://{}@localhost:{port}/{}?sslmode=verify-full&sslrootcert={}",
@@ -85,7 +76,7 @@ async fn postgres_over_verified_tls_and_an_unknown_ca_is_refused() {
     outbox_tests::init_logging();
     let pki = Pki::new();
     let db = TestDb::new().await;
-    let proxy = TlsProxy::start(&pki, Handshake::Postgres, &postgres_upstream(&db)).await;
+    let proxy = TlsProxy::start(&pki, Handshake::Postgres, &db.address()).await;
     let rabbit = outbox_tests::amqp::Fixture::new().await;
 
     // The operator CLI and the relay both reach Postgres only through TLS.

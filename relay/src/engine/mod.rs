@@ -279,13 +279,15 @@ impl<P: Publisher> Relay<P> {
                 // with the server's message; one a restarting server gives
                 // is waited out, said once. Once running, every connection
                 // error is retried: a running relay never exits on its own.
-                Err(e) if !source::worth_waiting_for(&e) => return Err(Error::Postgres(e)),
+                Err(source::PgFault::Postgres(e)) if !source::worth_waiting_for(&e) => {
+                    return Err(Error::Postgres(e))
+                }
                 Err(e) => {
                     if !said {
-                        tracing::warn!(error = %source::PgError(&e), "cannot reach postgres; waiting for it");
+                        tracing::warn!(error = %e, "cannot reach postgres; waiting for it");
                         said = true;
                     } else {
-                        tracing::debug!(error = %source::PgError(&e), "postgres still unreachable");
+                        tracing::debug!(error = %e, "postgres still unreachable");
                     }
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(()),

@@ -19,8 +19,12 @@ use std::time::Duration;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::tls::MakeTlsConnect;
 
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_postgres::{Client, Config, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
+
+use super::PgFault;
 
 /// The TLS stream type of relay connections (plain text when TLS is off).
 pub type PgStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
@@ -31,6 +35,9 @@ pub struct Database {
     config: Config,
     tls: MakeRustlsConnect,
     verify: Option<Roots>,
+    /// Shared by every clone: when the latest round trip that went
+    /// unanswered was sent (see [`Session::answered`]).
+    unanswered: Arc<watch::Sender<Option<Instant>>>,
 }
 
 /// Where the trusted roots came from, for logs and `Debug`.
@@ -69,6 +76,7 @@ impl Database {
             config,
             tls,
             verify,
+            unanswered: Arc::default(),
         })
     }
 
@@ -114,6 +122,43 @@ impl Database {
         self.config.connect(self.tls.clone()).await
     }
 
+    /// Opens a connection and drives it on a task that ends with the
+    /// returned [`Session`].
+    pub async fn connect_session(&self) -> Result<Session, tokio_postgres::Error> {
+        let opened = Instant::now();
+        let (client, driver) = self.connect_driven().await?;
+        // Who this session is on the server, for telling later whether the
+        // server is still working on a request of its (see
+        // `Session::answered`).
+        let me = client
+            .query_one(
+                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+                &[],
+            )
+            .await?;
+        Ok(Session {
+            client,
+            _driver: driver,
+            opened,
+            pid: me.get(0),
+            backend_start: me.get(1),
+            db: self.clone(),
+        })
+    }
+
+    /// Opens a connection driven by a task that is aborted with the handle.
+    async fn connect_driven(
+        &self,
+    ) -> Result<(Client, tokio_util::task::AbortOnDropHandle<()>), tokio_postgres::Error> {
+        let (client, connection) = self.connect().await?;
+        let driver = tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "postgres connection ended");
+            }
+        });
+        Ok((client, tokio_util::task::AbortOnDropHandle::new(driver)))
+    }
+
     /// Opens a connection and drives it in the background.
     pub async fn connect_spawned(&self) -> Result<Client, tokio_postgres::Error> {
         let (client, connection) = self.connect().await?;
@@ -123,6 +168,128 @@ impl Database {
             }
         });
         Ok(client)
+    }
+}
+
+/// A connection of the relay's: its client, and the task driving it.
+///
+/// Dropping a session ends that task, and so closes the socket, even while a
+/// request on it is still unanswered. A plain `Client` dropped then would
+/// leave its driver waiting for that answer for as long as the peer keeps
+/// the socket open: a load balancer that lost its backend can keep it so
+/// for half an hour (see [`super::answered`]).
+pub struct Session {
+    client: Client,
+    _driver: tokio_util::task::AbortOnDropHandle<()>,
+    /// When the connection attempt began.
+    opened: Instant,
+    /// The server process serving this session, and when it started.
+    pid: i32,
+    backend_start: std::time::SystemTime,
+    /// Where the session came from, for asking about it on another
+    /// connection; it shares the record of unanswered round trips.
+    db: Database,
+}
+
+/// What the server says of a session whose request went unanswered.
+enum Seen {
+    /// Its process is running a request (a statement waiting on a lock, a
+    /// commit waiting for a synchronous standby): the wait is the server's.
+    Working,
+    /// It is idle, gone, or nowhere to be asked: the request or its answer
+    /// went nowhere.
+    Stranded,
+}
+
+impl Session {
+    /// `round_trip`, one or more statements on this session, or
+    /// [`PgFault::Unanswered`] once it is known that no answer will come
+    /// (see [`super::answered`] for how that happens).
+    ///
+    /// Each time `bound` passes without the answer, the server is asked,
+    /// on a connection of its own, what this session's process is doing.
+    /// While it is running a request (waiting on a lock, or a commit
+    /// waiting for a synchronous standby that is gone, which Postgres does
+    /// not time out), the wait goes on: giving up then would leave that
+    /// process waiting behind, holding a connection slot. If the process
+    /// is idle or gone, or the server cannot be asked within `bound`, the
+    /// session is given up.
+    ///
+    /// Sessions to one database are stranded together: a load balancer
+    /// that lost its backend strands every connection it had open to it.
+    /// So once a round trip is given up, every session of the same
+    /// [`Database`] opened before that round trip was sent is given up too:
+    /// at once if it is waiting, else at its next round trip. Otherwise
+    /// each would wait out the bound in turn, and a claim waiting so holds
+    /// the other workers' claims back behind it. Sessions opened since
+    /// (through the balancer, to the new primary) are not touched.
+    pub async fn answered<T>(
+        &self,
+        bound: Duration,
+        round_trip: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, PgFault> {
+        let sent = Instant::now();
+        let mut round_trip = std::pin::pin!(round_trip);
+        let mut lost = self.db.unanswered.subscribe();
+        loop {
+            tokio::select! {
+                biased;
+                _ = lost.wait_for(|at| at.is_some_and(|at| at > self.opened)) => {
+                    return Err(PgFault::GivenUpWithOthers);
+                }
+                done = tokio::time::timeout(bound, round_trip.as_mut()) => {
+                    if let Ok(done) = done {
+                        return Ok(done?);
+                    }
+                }
+            }
+            match self.seen(bound).await {
+                Seen::Working => {}
+                Seen::Stranded => {
+                    // An answer that came while the server was asked wins.
+                    if let Some(done) = futures::FutureExt::now_or_never(round_trip.as_mut()) {
+                        return Ok(done?);
+                    }
+                    self.db.unanswered.send_if_modified(|at| {
+                        let later = at.is_none_or(|at| at < sent);
+                        if later {
+                            *at = Some(sent);
+                        }
+                        later
+                    });
+                    let waited = u64::try_from(sent.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    return Err(PgFault::Unanswered(Duration::from_millis(waited)));
+                }
+            }
+        }
+    }
+
+    /// What the server says this session's process is doing, asked on a
+    /// connection of its own within `bound`.
+    async fn seen(&self, bound: Duration) -> Seen {
+        let ask = async {
+            let (client, _driver) = self.db.connect_driven().await?;
+            let working = client
+                .query_opt(
+                    "SELECT state = 'active' FROM pg_stat_activity \
+                     WHERE pid = $1 AND backend_start = $2",
+                    &[&self.pid, &self.backend_start],
+                )
+                .await?;
+            Ok::<_, tokio_postgres::Error>(working.is_some_and(|r| r.get::<_, bool>(0)))
+        };
+        match tokio::time::timeout(bound, ask).await {
+            Ok(Ok(true)) => Seen::Working,
+            _ => Seen::Stranded,
+        }
+    }
+}
+
+impl std::ops::Deref for Session {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.client
     }
 }
 
@@ -144,6 +311,7 @@ impl From<Config> for Database {
             config,
             tls,
             verify,
+            unanswered: Arc::default(),
         }
     }
 }

@@ -148,21 +148,26 @@ pub async fn run(
 ) {
     let session = || async {
         let client = super::connect(&pg, hold_limit).await?;
-        // Named apart from the workers' sessions, so that operators can
-        // tell it in pg_stat_activity (waiting in `SyncRep` when a
-        // synchronous standby is missing).
-        client
-            .batch_execute("SET application_name = 'outbox-relay-durable'")
-            .await?;
-        // The role or server may commit with less than `on`; the barrier
-        // must not, or it would return before what it covers is durable.
-        let level: String = client
-            .query_one("SHOW synchronous_commit", &[])
-            .await?
-            .get(0);
-        if level == "off" || level == "local" {
-            client.batch_execute("SET synchronous_commit = on").await?;
-        }
+        let setup = async {
+            // Named apart from the workers' sessions, so that operators can
+            // tell it in pg_stat_activity (waiting in `SyncRep` when a
+            // synchronous standby is missing).
+            client
+                .batch_execute("SET application_name = 'outbox-relay-durable'")
+                .await?;
+            // The role or server may commit with less than `on`; the
+            // barrier must not, or it would return before what it covers is
+            // durable.
+            let level: String = client
+                .query_one("SHOW synchronous_commit", &[])
+                .await?
+                .get(0);
+            if level == "off" || level == "local" {
+                client.batch_execute("SET synchronous_commit = on").await?;
+            }
+            Ok(())
+        };
+        client.answered(hold_limit / 2, setup).await?;
         durable.coverage.send_replace(Coverage {
             since: Some(Instant::now()),
             through: None,
@@ -173,10 +178,15 @@ pub async fn run(
             let through = durable.coverage.borrow().through;
             if need.is_some() && need > through {
                 let sent = Instant::now();
-                tokio::select! {
+                // Waits for as long as the server works on it: a missing
+                // synchronous standby holds it on a live server, and the
+                // batches waiting for it go back at half the hold limit.
+                let barrier = client.answered(hold_limit, client.batch_execute(BARRIER));
+                let done = tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
-                    done = client.batch_execute(BARRIER) => done?,
-                }
+                    done = barrier => done,
+                };
+                done?;
                 durable.coverage.send_modify(|c| c.through = Some(sent));
                 continue;
             }
@@ -195,10 +205,13 @@ pub async fn run(
         reconnect_max,
         &shutdown,
         session,
-        // Quiet: the workers report Postgres, and say when a batch waited
-        // too long for its rows to become durable.
-        |e: &tokio_postgres::Error| {
-            tracing::debug!(error = %super::PgError(e), "durability barrier session ended; reconnecting")
+        // Quiet on errors: the workers report Postgres, and say when a batch
+        // waited too long for its rows to become durable.
+        |e: &super::PgFault| match e {
+            super::PgFault::Postgres(_) => {
+                tracing::debug!(error = %e, "durability barrier session ended; reconnecting")
+            }
+            _ => tracing::warn!(error = %e, "durability barrier session given up; reconnecting"),
         },
     )
     .await;

@@ -52,6 +52,10 @@ use crate::supervise::{sleep_or_cancel, supervise};
 /// How often the floor is moved while claims are running.
 pub const TICK: Duration = Duration::from_millis(100);
 
+/// How long a step of the floor's session may go unanswered: its
+/// statement_timeout (30 s) twice over (see `super::answered`).
+const BOUND: Duration = Duration::from_secs(60);
+
 /// The floor shared by a relay's workers: the lowest seq a fresh row can
 /// have. 0 (no floor) until it is first computed, and whenever it cannot be.
 #[derive(Debug, Default)]
@@ -284,14 +288,17 @@ pub async fn run(
     let session = || async {
         let client = super::connect(&pg, Duration::from_secs(60)).await?;
         let mut tracker = Tracker::new(&schema, rescan);
-        match tracker.prepare(&client).await {
+        let Ok(prepared) = tokio::time::timeout(BOUND, tracker.prepare(&client)).await else {
+            return Err(super::PgFault::Unanswered(BOUND));
+        };
+        match prepared {
             Ok(()) => {}
             // Anything but a missing grant (a lost connection, a server
             // shutting down) is tried again on a new session.
             Err(Unusable::Sequence(e))
                 if e.code() != Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
             {
-                return Err(e)
+                return Err(e.into())
             }
             Err(e) => {
                 tracing::warn!(error = %e, "claim floor off: claims scan fresh rows from the start of the index");
@@ -308,9 +315,13 @@ pub async fn run(
             let claims = floor.claims.load(Ordering::Relaxed);
             let moved = if claims != seen || tracker.rescan_due() {
                 seen = claims;
-                tracker.step(&client, floor.get()).await
+                client
+                    .answered(BOUND, tracker.step(&client, floor.get()))
+                    .await
             } else if tracker.pending() {
-                tracker.confirm(&client, floor.get()).await
+                client
+                    .answered(BOUND, tracker.confirm(&client, floor.get()))
+                    .await
             } else {
                 Ok(None)
             };
@@ -331,9 +342,7 @@ pub async fn run(
         &shutdown,
         session,
         // Quiet: the workers report Postgres; the floor only waits for it.
-        |e: &tokio_postgres::Error| {
-            tracing::debug!(error = %super::PgError(e), "claim floor session ended; reconnecting")
-        },
+        |e: &super::PgFault| tracing::debug!(error = %e, "claim floor session ended; reconnecting"),
     )
     .await;
 }

@@ -46,7 +46,9 @@ async fn listen_once(
     wake: &Arc<Notify>,
     shutdown: &CancellationToken,
 ) -> Result<(), ListenError> {
-    let (client, mut connection) = config.connect().await?;
+    let (client, mut connection) = tokio::time::timeout(ANSWER, config.connect())
+        .await
+        .map_err(|_| ListenError::Unanswered)??;
     // The Connection future must be polled through poll_message: awaiting it as a
     // whole (the usual spawn) would drop every notification on the floor.
     let notifier = Arc::clone(wake);
@@ -60,14 +62,23 @@ async fn listen_once(
             }
         }
     });
-    let setup = client
-        .batch_execute(&format!(
+    let setup = tokio::time::timeout(
+        ANSWER,
+        client.batch_execute(&format!(
             "SET application_name = 'outbox-relay-listen'; LISTEN \"{channel}\""
-        ))
-        .await;
-    if let Err(e) = setup {
-        driver.abort();
-        return Err(e.into());
+        )),
+    )
+    .await;
+    match setup {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            driver.abort();
+            return Err(e.into());
+        }
+        Err(_) => {
+            driver.abort();
+            return Err(ListenError::Unanswered);
+        }
     }
     tracing::debug!(channel, "listening");
     // Catch up on whatever was committed while we were not listening: every
@@ -94,9 +105,16 @@ async fn listen_once(
                 });
             }
             _ = probe.tick() => {
-                if let Err(e) = client.simple_query("SELECT 1").await {
-                    driver.abort();
-                    return Err(ListenError::Postgres(e));
+                match tokio::time::timeout(ANSWER, client.simple_query("SELECT 1")).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        driver.abort();
+                        return Err(ListenError::Postgres(e));
+                    }
+                    Err(_) => {
+                        driver.abort();
+                        return Err(ListenError::Unanswered);
+                    }
                 }
             }
         }
@@ -109,4 +127,14 @@ enum ListenError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("connection closed by the server")]
     Closed,
+    #[error(
+        "postgres sent no answer within {ANSWER:?}; connection given up (a proxy or load \
+         balancer in front of postgres can keep a connection open and silent after losing \
+         its backend)"
+    )]
+    Unanswered,
 }
+
+/// How long connecting, LISTEN, and each probe may go unanswered; a quiet
+/// listener is probed every 10 s (see `super::answered`).
+const ANSWER: Duration = Duration::from_secs(30);

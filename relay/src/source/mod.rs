@@ -24,9 +24,50 @@ pub(crate) mod store;
 
 use std::time::Duration;
 
-use tokio_postgres::Client;
+pub use database::{Database, Session};
 
-pub use database::Database;
+/// Why a session of the relay's failed: an error, or no answer at all.
+#[derive(Debug, thiserror::Error)]
+pub enum PgFault {
+    /// The connection, or the server, failed.
+    #[error("{}", PgError(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    /// Nothing came back within the bound; the connection is given up.
+    #[error(
+        "postgres sent no answer within {0:?}; connection given up (a proxy or load \
+         balancer in front of postgres can keep a connection open and silent after \
+         losing its backend)"
+    )]
+    Unanswered(Duration),
+    /// A round trip on another session to the same database, sent after
+    /// this session was opened, went unanswered: this one is given up with
+    /// it (see [`Session::answered`]).
+    #[error(
+        "given up: a round trip on another session to the same postgres went unanswered, \
+         and this session, opened before it was sent, is presumed stranded with it"
+    )]
+    GivenUpWithOthers,
+}
+
+/// `round_trip` (connecting, say), or [`PgFault::Unanswered`] when it has
+/// not come back within `bound`. Statements on an open session use
+/// [`Session::answered`], which asks the server before giving up.
+///
+/// `tcp_user_timeout` and keepalives notice a peer that vanished, but not
+/// one whose kernel still answers: a proxy or load balancer (HAProxy in
+/// front of a Patroni cluster, PgBouncer, a cloud proxy) whose backend
+/// died can keep the relay's connection open, acknowledging every byte and
+/// answering nothing, until its own timeouts end it, often half an hour
+/// later.
+pub async fn answered<T>(
+    bound: Duration,
+    round_trip: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, PgFault> {
+    match tokio::time::timeout(bound, round_trip).await {
+        Ok(done) => Ok(done?),
+        Err(_) => Err(PgFault::Unanswered(bound)),
+    }
+}
 
 /// A Postgres error with what the server said: tokio-postgres shows only
 /// "db error" for an error the server reported, and keeps the server's
@@ -146,21 +187,30 @@ pub async fn wait_for_postgres(db: &Database, wait: Duration) -> Result<(), toki
 /// (half the hold limit) stops a claim or settle that hangs on the server,
 /// and TCP keepalives with `tcp_user_timeout` (also half) end a connection
 /// whose peer vanished, which the kernel would otherwise keep for two hours.
-pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Client, tokio_postgres::Error> {
+///
+/// Those bounds hold on the server. A connection that reaches no server,
+/// and still gets every byte acknowledged (see [`answered`]), is bounded
+/// here: connecting and setting up within half the hold limit. Statements
+/// then wait for their answer for as long as the server is running them
+/// ([`Session::answered`]).
+pub async fn connect(db: &Database, hold_limit: Duration) -> Result<Session, PgFault> {
     let half = hold_limit / 2;
-    let client = db.with_dead_peer_bound(half).connect_spawned().await?;
-    client
-        .batch_execute(&format!(
-            "SET application_name = 'outbox-relay'; \
-             SET idle_in_transaction_session_timeout = {}; \
-             SET statement_timeout = {}; \
-             SET plan_cache_mode = force_generic_plan; \
-             SET jit = off",
-            hold_limit.as_millis().max(1),
-            half.as_millis().max(1)
-        ))
-        .await?;
-    Ok(client)
+    let setup = async {
+        let session = db.with_dead_peer_bound(half).connect_session().await?;
+        session
+            .batch_execute(&format!(
+                "SET application_name = 'outbox-relay'; \
+                 SET idle_in_transaction_session_timeout = {}; \
+                 SET statement_timeout = {}; \
+                 SET plan_cache_mode = force_generic_plan; \
+                 SET jit = off",
+                hold_limit.as_millis().max(1),
+                half.as_millis().max(1)
+            ))
+            .await?;
+        Ok(session)
+    };
+    answered(half, setup).await
 }
 
 /// Why the relay cannot work through this connection string.

@@ -24,7 +24,10 @@ use rand::seq::SliceRandom;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use super::Database;
+use super::{answered, Database, PgFault};
+
+/// The least time a step of the ownership session may go unanswered.
+const MIN_BOUND: Duration = Duration::from_secs(5);
 use tokio_util::sync::CancellationToken;
 
 use crate::supervise::supervise;
@@ -128,7 +131,7 @@ pub async fn run(
         reconnect_max,
         &shutdown,
         session,
-        |e| tracing::warn!(error = %super::PgError(e), "ownership session lost; claiming nothing until it is back"),
+        |e| tracing::warn!(error = %e, "ownership session lost; claiming nothing until it is back"),
     )
     .await;
 }
@@ -140,10 +143,62 @@ async fn own(
     owned: &watch::Sender<Arc<Vec<i16>>>,
     report: &impl ReplicaReport,
     shutdown: &CancellationToken,
-) -> Result<(), tokio_postgres::Error> {
-    let (client, connection) = pg.connect().await?;
-    let mut driver = tokio::spawn(connection);
-    let keys = LockKeys::fetch(&client, schema).await?;
+) -> Result<(), PgFault> {
+    // Connecting must be done within the lease, and each step answered
+    // within it unless the server is working on it (see
+    // `Session::answered`): by then the server has ended a session that
+    // missed its heartbeats. At least a few seconds, for a busy server.
+    let bound = settings.lease.max(MIN_BOUND);
+    let client = answered(bound, pg.connect_session()).await?;
+    let (keys, slot) = client
+        .answered(bound, register(&client, schema, settings))
+        .await?;
+    tracing::info!(slot, "replica registered");
+    report.set_owner_up(true);
+    let replicas = format!("{}.replicas", schema.quoted());
+    let owners = format!("{}.partition_owners", schema.quoted());
+
+    let tick = settings.lease / 5;
+    let mut mine: Vec<i16> = Vec::new();
+    let mut interval = tokio::time::interval(tick.max(Duration::from_millis(20)));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                // Hand partitions over at once rather than after the lease.
+                let release = async {
+                    client.execute("SELECT pg_advisory_unlock_all()", &[]).await?;
+                    client.execute(&format!("DELETE FROM {replicas} WHERE slot = $1"), &[&slot]).await
+                };
+                let _ = client.answered(bound, release).await;
+                return Ok(());
+            }
+            _ = interval.tick() => {}
+        }
+        if client.is_closed() {
+            // The connection ended; this says why.
+            return client
+                .answered(bound, client.simple_query("SELECT 1"))
+                .await
+                .map(|_| ());
+        }
+        let beat = report.heartbeat();
+        let step = heartbeat(&client, &keys, slot, &replicas, &owners, beat, &mut mine);
+        let Some(now) = client.answered(bound, step).await? else {
+            continue;
+        };
+        owned.send_replace(Arc::new(now));
+    }
+}
+
+/// Sets the session up and registers this replica under a random free
+/// presence slot.
+async fn register(
+    client: &Client,
+    schema: &SchemaName,
+    settings: &OwnershipSettings,
+) -> Result<(LockKeys, i32), tokio_postgres::Error> {
+    let keys = LockKeys::fetch(client, schema).await?;
     let lease_ms = settings.lease.as_millis().max(100);
     client
         .batch_execute(&format!(
@@ -166,7 +221,6 @@ async fn own(
         }
     };
     let replicas = format!("{}.replicas", schema.quoted());
-    let owners = format!("{}.partition_owners", schema.quoted());
     client
         .execute(
             &format!(
@@ -177,123 +231,112 @@ async fn own(
             &[&slot, &hostname(), &(std::process::id() as i32)],
         )
         .await?;
-    tracing::info!(slot, "replica registered");
-    report.set_owner_up(true);
+    Ok((keys, slot))
+}
 
-    let tick = settings.lease / 5;
-    let mut mine: Vec<i16> = Vec::new();
-    let mut interval = tokio::time::interval(tick.max(Duration::from_millis(20)));
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => {
-                // Hand partitions over at once rather than after the lease.
-                let _ = client.execute("SELECT pg_advisory_unlock_all()", &[]).await;
-                let _ = client.execute(&format!("DELETE FROM {replicas} WHERE slot = $1"), &[&slot]).await;
-                return Ok(());
-            }
-            ended = &mut driver => {
-                return match ended {
-                    Ok(Err(e)) => Err(e),
-                    _ => client.simple_query("SELECT 1").await.map(|_| ()),
-                };
-            }
-            _ = interval.tick() => {}
-        }
-        let beat = report.heartbeat();
-        let (down_since, down_error) = match beat.broker_down {
-            Some((since, e)) => (Some(since), Some(e)),
-            None => (None, None),
-        };
-        let in_flight = i32::try_from(beat.in_flight).unwrap_or(i32::MAX);
-        let published = i64::try_from(beat.published).unwrap_or(i64::MAX);
+/// One heartbeat: records this replica's figures, then takes or releases
+/// partitions toward its share. The partitions it owns, if they changed.
+async fn heartbeat(
+    client: &Client,
+    keys: &LockKeys,
+    slot: i32,
+    replicas: &str,
+    owners: &str,
+    beat: Heartbeat,
+    mine: &mut Vec<i16>,
+) -> Result<Option<Vec<i16>>, tokio_postgres::Error> {
+    let (down_since, down_error) = match beat.broker_down {
+        Some((since, e)) => (Some(since), Some(e)),
+        None => (None, None),
+    };
+    let in_flight = i32::try_from(beat.in_flight).unwrap_or(i32::MAX);
+    let published = i64::try_from(beat.published).unwrap_or(i64::MAX);
+    client
+        .execute(
+            &format!(
+                "UPDATE {replicas} SET seen_at = now(), in_flight = $2, published = $3, \
+                 broker_down_since = $4, broker_error = $5 WHERE slot = $1"
+            ),
+            &[&slot, &in_flight, &published, &down_since, &down_error],
+        )
+        .await?;
+    // Everyone present, by slot; targets sum to exactly PARTITIONS, the
+    // lowest slots taking the remainder, so every replica agrees on them.
+    let slots: Vec<i32> = client
+        .query_one(
+            &format!(
+                "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{{}}') FROM pg_locks \
+                 WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
+            ),
+            &[&i64::from(keys.presence)],
+        )
+        .await?
+        .get(0);
+    let present = slots.len().max(1);
+    let rank = slots.iter().position(|s| *s == slot).unwrap_or(0);
+    let share = PARTITIONS as usize / present + usize::from(rank < PARTITIONS as usize % present);
+    let before = mine.clone();
+
+    while mine.len() > share {
+        let Some(p) = mine.pop() else { break };
         client
             .execute(
-                &format!(
-                    "UPDATE {replicas} SET seen_at = now(), in_flight = $2, published = $3, \
-                     broker_down_since = $4, broker_error = $5 WHERE slot = $1"
-                ),
-                &[&slot, &in_flight, &published, &down_since, &down_error],
+                "SELECT pg_advisory_unlock($1, $2)",
+                &[&keys.partitions, &i32::from(p)],
             )
             .await?;
-        // Everyone present, by slot; targets sum to exactly PARTITIONS, the
-        // lowest slots taking the remainder, so every replica agrees on them.
-        let slots: Vec<i32> = client
-            .query_one(
-                &format!(
-                    "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{{}}') FROM pg_locks \
-                     WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
-                ),
-                &[&i64::from(keys.presence)],
-            )
-            .await?
-            .get(0);
-        let present = slots.len().max(1);
-        let rank = slots.iter().position(|s| *s == slot).unwrap_or(0);
-        let share =
-            PARTITIONS as usize / present + usize::from(rank < PARTITIONS as usize % present);
-        let before = mine.clone();
-
-        while mine.len() > share {
-            let Some(p) = mine.pop() else { break };
-            client
-                .execute(
-                    "SELECT pg_advisory_unlock($1, $2)",
+    }
+    if mine.len() < share {
+        let mut free: Vec<i16> = (0..PARTITIONS).filter(|p| !mine.contains(p)).collect();
+        free.shuffle(&mut rand::rng());
+        for p in free {
+            if mine.len() >= share {
+                break;
+            }
+            let got: bool = client
+                .query_one(
+                    "SELECT pg_try_advisory_lock($1, $2)",
                     &[&keys.partitions, &i32::from(p)],
                 )
-                .await?;
-        }
-        if mine.len() < share {
-            let mut free: Vec<i16> = (0..PARTITIONS).filter(|p| !mine.contains(p)).collect();
-            free.shuffle(&mut rand::rng());
-            for p in free {
-                if mine.len() >= share {
-                    break;
-                }
-                let got: bool = client
-                    .query_one(
-                        "SELECT pg_try_advisory_lock($1, $2)",
-                        &[&keys.partitions, &i32::from(p)],
+                .await?
+                .get(0);
+            if got {
+                mine.push(p);
+                client
+                    .execute(
+                        &format!(
+                            "INSERT INTO {owners} (partition, slot) VALUES ($1, $2) \
+                             ON CONFLICT (partition) DO UPDATE SET slot = $2, since = now()"
+                        ),
+                        &[&p, &slot],
                     )
-                    .await?
-                    .get(0);
-                if got {
-                    mine.push(p);
-                    client
-                        .execute(
-                            &format!(
-                                "INSERT INTO {owners} (partition, slot) VALUES ($1, $2) \
-                                 ON CONFLICT (partition) DO UPDATE SET slot = $2, since = now()"
-                            ),
-                            &[&p, &slot],
-                        )
-                        .await?;
-                }
+                    .await?;
             }
         }
-        let owned_by_anyone: i64 = client
-            .query_one(
-                &format!(
-                    "SELECT count(*) FROM pg_locks WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
-                ),
-                &[&i64::from(keys.partitions)],
-            )
-            .await?
-            .get(0);
-        metrics::gauge!(crate::metrics::PARTITIONS_UNOWNED)
-            .set((i64::from(PARTITIONS) - owned_by_anyone) as f64);
-        metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(mine.len() as f64);
-        if mine != before {
-            mine.sort_unstable();
-            tracing::info!(
-                slot,
-                replicas = present,
-                owned = mine.len(),
-                "partitions rebalanced"
-            );
-            owned.send_replace(Arc::new(mine.clone()));
-        }
     }
+    let owned_by_anyone: i64 = client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM pg_locks WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
+            ),
+            &[&i64::from(keys.partitions)],
+        )
+        .await?
+        .get(0);
+    metrics::gauge!(crate::metrics::PARTITIONS_UNOWNED)
+        .set((i64::from(PARTITIONS) - owned_by_anyone) as f64);
+    metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(mine.len() as f64);
+    if *mine == before {
+        return Ok(None);
+    }
+    mine.sort_unstable();
+    tracing::info!(
+        slot,
+        replicas = present,
+        owned = mine.len(),
+        "partitions rebalanced"
+    );
+    Ok(Some(mine.clone()))
 }
 
 fn hostname() -> String {

@@ -51,11 +51,11 @@ pub async fn run(
         reconnect_max,
         &shutdown,
         session,
-        |(connected, e): &(bool, tokio_postgres::Error)| {
+        |(connected, e): &(bool, super::PgFault)| {
             if *connected {
-                tracing::warn!(error = %super::PgError(e), "retention cleanup failed; reconnecting");
+                tracing::warn!(error = %e, "retention cleanup failed; reconnecting");
             } else {
-                tracing::debug!(error = %super::PgError(e), "retention cleanup cannot reach postgres");
+                tracing::debug!(error = %e, "retention cleanup cannot reach postgres");
             }
         },
     )
@@ -64,15 +64,22 @@ pub async fn run(
 
 /// One pass: batches until fewer than `batch` rows were due.
 async fn purge_expired(
-    client: &tokio_postgres::Client,
+    client: &super::Session,
     queries: &Queries,
     retention: Duration,
     batch: i64,
     shutdown: &CancellationToken,
-) -> Result<u64, tokio_postgres::Error> {
+) -> Result<u64, super::PgFault> {
     let mut total = 0;
     loop {
-        let n = queries.purge_published(client, retention, batch).await?;
+        // The session's statement_timeout is 30 s: past a minute, nothing
+        // is answering (see `super::answered`).
+        let n = client
+            .answered(
+                Duration::from_secs(60),
+                queries.purge_published(client, retention, batch),
+            )
+            .await?;
         total += n;
         metrics::counter!(crate::metrics::RETENTION_DELETED).increment(n);
         if n < u64::try_from(batch).unwrap_or(u64::MAX) || shutdown.is_cancelled() {

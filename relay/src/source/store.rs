@@ -14,10 +14,8 @@ use std::time::{Duration, SystemTime};
 
 use futures::FutureExt;
 
-use tokio_postgres::Client;
-
 use super::claim::{ClaimLimits, Claimed, Prepared, Queries};
-use super::{Database, PgError};
+use super::{Database, PgFault};
 use crate::envelope::{Envelope, Receipt};
 
 /// Where batches come from: one session per worker, reopened after a failure.
@@ -117,7 +115,8 @@ pub(crate) struct StoreError(Cause);
 
 #[derive(Debug)]
 enum Cause {
-    Postgres(tokio_postgres::Error),
+    /// The server said no, the connection failed, or nothing answered.
+    Postgres(PgFault),
     #[cfg(test)]
     Memory(&'static str),
 }
@@ -132,6 +131,12 @@ impl StoreError {
 
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
+        StoreError(Cause::Postgres(e.into()))
+    }
+}
+
+impl From<PgFault> for StoreError {
+    fn from(e: PgFault) -> Self {
         StoreError(Cause::Postgres(e))
     }
 }
@@ -139,7 +144,7 @@ impl From<tokio_postgres::Error> for StoreError {
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.0 {
-            Cause::Postgres(e) => PgError(e).fmt(f),
+            Cause::Postgres(e) => e.fmt(f),
             #[cfg(test)]
             Cause::Memory(what) => f.write_str(what),
         }
@@ -178,13 +183,22 @@ impl PgStore {
 
 /// One worker's Postgres connection.
 pub(crate) struct PgSession {
-    client: Client,
+    client: super::Session,
     prepared: Prepared,
     queries: Queries,
     /// A batch transaction may still be open on the connection: one was
     /// begun and never seen to end (its `PgTx` was dropped). The next batch
     /// rolls it back first, in the same round trip as its BEGIN.
     dangling: bool,
+    /// How long a claim or a settle waits for its answer before the server
+    /// is asked whether it is still running it: the hold limit. By then
+    /// the server has ended the statement (`statement_timeout`, at half)
+    /// or the transaction (`idle_in_transaction_session_timeout`), unless
+    /// it is a commit waiting for a synchronous standby; see
+    /// [`super::Session::answered`].
+    bound: Duration,
+    /// A round trip went unanswered: the session is given up.
+    unanswered: bool,
 }
 
 /// One batch's Postgres transaction.
@@ -198,13 +212,17 @@ pub(crate) struct PgSession {
 /// every guarantee of a transaction: Postgres runs the statements in order,
 /// and once one fails, the rest fail and COMMIT rolls back.
 pub(crate) struct PgTx<'a> {
-    client: &'a Client,
+    client: &'a super::Session,
     prepared: &'a Prepared,
     queries: &'a Queries,
     /// BEGIN has been sent.
     begun: bool,
     /// The session's flag: set while this transaction is open.
     dangling: &'a mut bool,
+    /// The session's bound on each step's round trips.
+    bound: Duration,
+    /// The session's flag: set when a step went unanswered.
+    unanswered: &'a mut bool,
 }
 
 impl Store for PgStore {
@@ -214,16 +232,20 @@ impl Store for PgStore {
         let client = super::connect(&self.pg, self.hold_limit)
             .await
             .map_err(|e| OpenError::Connect(e.into()))?;
-        let prepared = self
-            .queries
-            .prepare(&client)
+        let prepared = client
+            .answered(self.hold_limit / 2, self.queries.prepare(&client))
             .await
-            .map_err(|e| OpenError::Prepare(e.into()))?;
+            .map_err(|e| match e {
+                PgFault::Postgres(_) => OpenError::Prepare(e.into()),
+                PgFault::Unanswered(_) | PgFault::GivenUpWithOthers => OpenError::Connect(e.into()),
+            })?;
         Ok(PgSession {
             client,
             prepared,
             queries: self.queries.clone(),
             dangling: false,
+            bound: self.hold_limit,
+            unanswered: false,
         })
     }
 }
@@ -238,11 +260,13 @@ impl Session for PgSession {
             queries: &self.queries,
             begun: false,
             dangling: &mut self.dangling,
+            bound: self.bound,
+            unanswered: &mut self.unanswered,
         })
     }
 
     fn is_closed(&self) -> bool {
-        self.client.is_closed()
+        self.unanswered || self.client.is_closed()
     }
 }
 
@@ -255,35 +279,52 @@ impl PgTx<'_> {
         statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, StoreError> {
         if self.begun {
-            return Ok(statement.await?);
+            return self.answered(statement).await;
         }
         self.begun = true;
         let rollback_first = std::mem::replace(self.dangling, true);
         let client = self.client;
         // join! polls in order, and each future sends its request on its
         // first poll: ROLLBACK, BEGIN, then the statement.
-        let (rolled_back, begun, result) = futures::join!(
-            async {
-                match rollback_first {
-                    true => client.batch_execute("ROLLBACK").await,
-                    false => Ok(()),
-                }
-            },
-            // READ COMMITTED whatever the server's default: the claim's
-            // probes must see what committed after its rows were locked
-            // (see `source::claim`).
-            client.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
-            statement
-        );
+        let joined = async {
+            Ok(futures::join!(
+                async {
+                    match rollback_first {
+                        true => client.batch_execute("ROLLBACK").await,
+                        false => Ok(()),
+                    }
+                },
+                // READ COMMITTED whatever the server's default: the claim's
+                // probes must see what committed after its rows were locked
+                // (see `source::claim`).
+                client.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED"),
+                statement
+            ))
+        };
+        let (rolled_back, begun, result) = self.answered(joined).await?;
         rolled_back?;
         begun?;
         Ok(result?)
     }
 
+    /// `round_trip` within the session's bound; past it, the session is
+    /// marked given up, and its transaction dangling.
+    async fn answered<T>(
+        &mut self,
+        round_trip: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, StoreError> {
+        let done = self.client.answered(self.bound, round_trip).await;
+        if let Err(PgFault::Unanswered(_) | PgFault::GivenUpWithOthers) = &done {
+            *self.unanswered = true;
+        }
+        Ok(done?)
+    }
+
     /// Ends the transaction with `end` (COMMIT or ROLLBACK).
-    async fn end(self, end: &str) -> Result<(), StoreError> {
+    async fn end(mut self, end: &str) -> Result<(), StoreError> {
         if self.begun {
-            self.client.batch_execute(end).await?;
+            let client = self.client;
+            self.answered(client.batch_execute(end)).await?;
         }
         *self.dangling = false;
         Ok(())
@@ -303,30 +344,36 @@ impl BatchTx for PgTx<'_> {
         self.run(claim).await
     }
 
-    async fn settle_and_commit(self, settle: Settle<'_>) -> Result<u64, StoreError> {
+    async fn settle_and_commit(mut self, settle: Settle<'_>) -> Result<u64, StoreError> {
         if !self.begun {
             // Nothing claimed, nothing to settle: there is no transaction.
             self.end("COMMIT").await?;
             return Ok(0);
         }
         let (q, client, prepared) = (self.queries, self.client, self.prepared);
-        // Statements given as SQL text are prepared first, one round trip
-        // each, and only then executed: pipelined beside COMMIT they would
-        // run after it, outside the transaction. So the rare parts (failed,
-        // held and dead rows) go one at a time; each sends nothing when
-        // empty, as it is for a batch the broker confirmed whole.
-        q.fail(client, settle.failed).await?;
-        let held = q.hold(client, settle.holds).await?;
-        q.dead_letter(client, settle.dead).await?;
-        // The confirmed rows' statement is prepared on the session, so it
-        // goes out with COMMIT. If it fails, Postgres turns COMMIT into a
-        // rollback: its error is the answer and nothing was committed.
-        let (published, committed) = futures::join!(
-            q.settle_published(client, prepared, settle.published),
-            client.batch_execute("COMMIT"),
-        );
-        published?;
-        committed?;
+        let steps = async {
+            // Statements given as SQL text are prepared first, one round
+            // trip each, and only then executed: pipelined beside COMMIT
+            // they would run after it, outside the transaction. So the rare
+            // parts (failed, held and dead rows) go one at a time; each
+            // sends nothing when empty, as it is for a batch the broker
+            // confirmed whole.
+            q.fail(client, settle.failed).await?;
+            let held = q.hold(client, settle.holds).await?;
+            q.dead_letter(client, settle.dead).await?;
+            // The confirmed rows' statement is prepared on the session, so
+            // it goes out with COMMIT. If it fails, Postgres turns COMMIT
+            // into a rollback: its error is the answer and nothing was
+            // committed.
+            let (published, committed) = futures::join!(
+                q.settle_published(client, prepared, settle.published),
+                client.batch_execute("COMMIT"),
+            );
+            published?;
+            committed?;
+            Ok(held)
+        };
+        let held = self.answered(steps).await?;
         *self.dangling = false;
         Ok(held)
     }

@@ -34,6 +34,41 @@ fn in_flight(settings: &outbox_relay::Settings) -> usize {
     usize::try_from(settings.batch_size).expect("batch size") * (settings.pipeline + 1)
 }
 
+/// Makes the server require a synchronous standby that does not exist
+/// (`on`), or no longer (`!on`). Neither statement commits anything, so
+/// neither waits for it.
+async fn require_a_missing_standby(db: &TestDb, on: bool) {
+    let set = if on {
+        "ALTER SYSTEM SET synchronous_standby_names = 'gone'"
+    } else {
+        "ALTER SYSTEM RESET synchronous_standby_names"
+    };
+    for sql in [set, "SELECT pg_reload_conf()"] {
+        db.client
+            .batch_execute(sql)
+            .await
+            .expect("change synchronous_standby_names");
+    }
+}
+
+/// Once commits no longer wait, the relay drains the outbox, and `broker`
+/// holds each of the `total` messages exactly once.
+async fn every_message_once_the_standby_is_dropped(
+    db: &TestDb,
+    broker: &MemoryPublisher,
+    total: usize,
+) {
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the relay did not finish once the standby was dropped: {} rows left",
+        db.pending().await
+    );
+    let all = broker.published();
+    let distinct: HashSet<_> = all.iter().map(|e| e.message_id).collect();
+    assert_eq!(distinct.len(), total, "every message went out");
+    assert_eq!(all.len(), total, "a message went out twice");
+}
+
 /// README's bound on duplicates: only the batches in flight when something
 /// dies are published again, at most `batch-size × (pipeline + 1)`. A
 /// settle the relay committed and went on from must survive the loss of
@@ -157,16 +192,7 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         "the relay never joined"
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
-    // Neither statement commits anything, so neither waits.
-    for sql in [
-        "ALTER SYSTEM SET synchronous_standby_names = 'gone'",
-        "SELECT pg_reload_conf()",
-    ] {
-        db.client
-            .batch_execute(sql)
-            .await
-            .expect("require a standby that does not exist");
-    }
+    require_a_missing_standby(&db, true).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // A rollback does not wait for a standby.
     holder.batch_execute("ROLLBACK").await.expect("rollback");
@@ -212,24 +238,110 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         "the barrier session waits for the standby"
     );
 
-    for sql in [
-        "ALTER SYSTEM RESET synchronous_standby_names",
-        "SELECT pg_reload_conf()",
-    ] {
-        db.client
-            .batch_execute(sql)
-            .await
-            .expect("stop requiring the standby");
-    }
+    require_a_missing_standby(&db, false).await;
+    every_message_once_the_standby_is_dropped(&db, &broker, total).await;
+    relay.stop().await;
+    drop(primary);
+}
+
+/// A missing synchronous standby makes commits wait on a live server, past
+/// any bound the relay puts on a silent connection (`stalls stranded::`).
+/// The relay must tell the two apart: a session given up while its commit
+/// waits leaves its server process waiting behind it, holding a
+/// connection slot, for as long as the standby stays away (Postgres does
+/// not notice a client that went away meanwhile), and another one after
+/// every reconnect. Here the ownership heartbeat and the durability
+/// barrier wait for three hold limits: each stays one session, never
+/// reopened. (A first version of the bound, which did not ask the server,
+/// gave the ownership session up every 5 s: after the 13 s here, three
+/// ownership sessions were there, two of them left waiting.)
+#[tokio::test]
+async fn a_missing_standby_makes_the_relay_give_up_no_session() {
+    outbox_tests::init_logging();
+    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
+    let config: tokio_postgres::Config = primary.url().parse().expect("url");
+    let db = TestDb::new_at(config).await;
+    let settings = outbox_relay::Settings {
+        batch_size: 50,
+        hold_limit: Duration::from_secs(4),
+        lease: Duration::from_secs(2),
+        ..fast_settings()
+    };
+    let wait = settings.hold_limit * 3 + Duration::from_secs(1);
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let broker = relay.publisher::<MemoryPublisher>();
     assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "the relay did not finish once the standby was dropped: {} rows left",
-        db.pending().await
+        eventually(PATIENCE, || async {
+            db.count("partition_owners").await == 64
+        })
+        .await,
+        "the relay never took its partitions"
     );
-    let all = broker.published();
-    let distinct: HashSet<_> = all.iter().map(|e| e.message_id).collect();
-    assert_eq!(distinct.len(), total, "every message went out");
-    assert_eq!(all.len(), total, "a message went out twice");
+    let outage: std::time::SystemTime = db
+        .client
+        .query_one("SELECT now()", &[])
+        .await
+        .expect("now")
+        .get(0);
+    require_a_missing_standby(&db, true).await;
+    // Written with `local`, so the writer does not wait: the rows are
+    // visible, and every claim of them waits for its barrier.
+    let total = 200;
+    let writer = connect(&db.config).await;
+    writer
+        .batch_execute("SET synchronous_commit = local")
+        .await
+        .expect("commit without waiting for the standby");
+    db.outbox()
+        .enqueue_batch(&writer, &messages(total, "standby"))
+        .await
+        .expect("enqueue");
+    tokio::time::sleep(wait).await;
+
+    let sessions: Vec<(String, std::time::SystemTime, Option<String>)> = db
+        .client
+        .query(
+            "SELECT application_name, backend_start, wait_event FROM pg_stat_activity \
+             WHERE application_name LIKE 'outbox-relay%' ORDER BY application_name",
+            &[],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let named = |name: &str| sessions.iter().filter(|s| s.0 == name).count();
+    assert_eq!(
+        (named("outbox-relay-owner"), named("outbox-relay-durable")),
+        (1, 1),
+        "one ownership and one barrier session: {sessions:?}"
+    );
+    let waiting: Vec<&str> = sessions
+        .iter()
+        .filter(|s| s.2.as_deref() == Some("SyncRep"))
+        .map(|s| s.0.as_str())
+        .collect();
+    assert!(
+        waiting.contains(&"outbox-relay-durable"),
+        "the barrier waits for the standby: {sessions:?}"
+    );
+    let reopened: Vec<&str> = sessions
+        .iter()
+        .filter(|s| s.1 > outage)
+        .map(|s| s.0.as_str())
+        .collect();
+    assert!(
+        reopened.is_empty(),
+        "sessions given up and reopened while commits waited for the standby: {reopened:?}"
+    );
+    assert_eq!(
+        broker.published().len(),
+        0,
+        "published while no commit could reach the standby"
+    );
+
+    require_a_missing_standby(&db, false).await;
+    every_message_once_the_standby_is_dropped(&db, &broker, total).await;
     relay.stop().await;
     drop(primary);
 }

@@ -60,7 +60,10 @@ async fn oldest_fresh(db: &TestDb) -> i64 {
 
 /// A session set up and prepared as a relay worker's, inside a transaction
 /// as a worker's claim is, for calling `Queries::claim` directly.
-async fn relay_transaction(db: &TestDb, queries: &Queries) -> (tokio_postgres::Client, Prepared) {
+async fn relay_transaction(
+    db: &TestDb,
+    queries: &Queries,
+) -> (outbox_relay::source::Session, Prepared) {
     let client = outbox_relay::source::connect(
         &db.config.clone().into(),
         std::time::Duration::from_secs(60),
