@@ -130,18 +130,26 @@ impl Database {
         // Who this session is on the server, for telling later whether the
         // server is still working on a request of its (see
         // `Session::answered`).
+        // In the simple protocol, which any pooler passes: behind one that
+        // pools by transaction or statement, a prepared statement would
+        // fail here, before the relay can say what is wrong with it
+        // (`super::check_session`).
         let me = client
-            .query_one(
-                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()",
-                &[],
-            )
+            .simple_query(&format!("SELECT pid, {STARTED} {IDENTITY}"))
             .await?;
+        let field = |i: usize| {
+            me.iter().find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(i).map(str::to_owned),
+                _ => None,
+            })
+        };
+        let (pid, started) = (field(0), field(1));
         Ok(Session {
             client,
             _driver: driver,
             opened,
-            pid: me.get(0),
-            backend_start: me.get(1),
+            pid: pid.and_then(|p| p.parse().ok()).unwrap_or(0),
+            backend_start: started.and_then(|s| s.parse().ok()).unwrap_or(0),
             db: self.clone(),
         })
     }
@@ -185,11 +193,19 @@ pub struct Session {
     opened: Instant,
     /// The server process serving this session, and when it started.
     pid: i32,
-    backend_start: std::time::SystemTime,
+    backend_start: i64,
     /// Where the session came from, for asking about it on another
     /// connection; it shares the record of unanswered round trips.
     db: Database,
 }
+
+/// When a session's server process started, in microseconds since the
+/// epoch: the same number whatever the session's time zone or date style.
+const STARTED: &str = "(extract(epoch FROM backend_start) * 1000000)::int8";
+/// The row of `pg_stat_activity` of the session that reads it.
+const IDENTITY: &str = "FROM pg_stat_activity WHERE pid = pg_backend_pid()";
+/// The row of `pg_stat_activity` of process `$1`.
+const IDENTITY_OF: &str = "FROM pg_stat_activity WHERE pid = $1";
 
 /// What the server says of a session whose request went unanswered.
 enum Seen {
@@ -271,8 +287,7 @@ impl Session {
             let (client, _driver) = self.db.connect_driven().await?;
             let working = client
                 .query_opt(
-                    "SELECT state = 'active' FROM pg_stat_activity \
-                     WHERE pid = $1 AND backend_start = $2",
+                    &format!("SELECT state = 'active' {IDENTITY_OF} AND {STARTED} = $2"),
                     &[&self.pid, &self.backend_start],
                 )
                 .await?;

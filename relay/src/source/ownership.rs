@@ -164,15 +164,7 @@ async fn own(
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => {
-                // Hand partitions over at once rather than after the lease.
-                let release = async {
-                    client.execute("SELECT pg_advisory_unlock_all()", &[]).await?;
-                    client.execute(&format!("DELETE FROM {replicas} WHERE slot = $1"), &[&slot]).await
-                };
-                let _ = client.answered(bound, release).await;
-                return Ok(());
-            }
+            _ = shutdown.cancelled() => return leave(&client, &replicas, slot, bound).await,
             _ = interval.tick() => {}
         }
         if client.is_closed() {
@@ -184,11 +176,36 @@ async fn own(
         }
         let beat = report.heartbeat();
         let step = heartbeat(&client, &keys, slot, &replicas, &owners, beat, &mut mine);
-        let Some(now) = client.answered(bound, step).await? else {
-            continue;
+        // A heartbeat's commit may wait for a missing synchronous standby
+        // for as long as it stays away; shutdown does not wait with it.
+        let stepped = tokio::select! {
+            _ = shutdown.cancelled() => None,
+            stepped = client.answered(bound, step) => Some(stepped),
         };
-        owned.send_replace(Arc::new(now));
+        let Some(stepped) = stepped else {
+            return leave(&client, &replicas, slot, bound).await;
+        };
+        if let Some(now) = stepped? {
+            owned.send_replace(Arc::new(now));
+        }
     }
+}
+
+/// Hands this replica's partitions over at once rather than after the
+/// lease, and removes its row. Within `bound`, whatever the server is
+/// doing: the DELETE's commit may wait for a missing synchronous standby,
+/// and shutdown must not.
+async fn leave(client: &Client, replicas: &str, slot: i32, bound: Duration) -> Result<(), PgFault> {
+    let release = async {
+        client
+            .execute("SELECT pg_advisory_unlock_all()", &[])
+            .await?;
+        client
+            .execute(&format!("DELETE FROM {replicas} WHERE slot = $1"), &[&slot])
+            .await
+    };
+    let _ = answered(bound, release).await;
+    Ok(())
 }
 
 /// Sets the session up and registers this replica under a random free

@@ -36,7 +36,13 @@ pub async fn run(
             .await
             .map_err(|e| (false, e))?;
         loop {
-            match purge_expired(&client, &queries, retention, batch, &shutdown).await {
+            // A purge's commit may wait for a missing synchronous standby
+            // for as long as it stays away; shutdown does not wait with it.
+            let purged = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                purged = purge_expired(&client, &queries, retention, batch, &shutdown) => purged,
+            };
+            match purged {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(deleted = n, "published rows past retention deleted"),
                 Err(e) => return Err((true, e)),

@@ -346,6 +346,51 @@ async fn a_missing_standby_makes_the_relay_give_up_no_session() {
     drop(primary);
 }
 
+/// SIGTERM while commits wait for a missing synchronous standby: the relay
+/// still stops. Its ownership heartbeat, a commit, waits on the server with
+/// every other commit; shutdown leaves it there rather than waiting with it.
+/// (Before, the heartbeat held the ownership session, and the relay never
+/// stopped: 120 s here.)
+#[tokio::test]
+async fn a_relay_stops_while_commits_wait_for_a_missing_standby() {
+    outbox_tests::init_logging();
+    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
+    let config: tokio_postgres::Config = primary.url().parse().expect("url");
+    let db = TestDb::new_at(config).await;
+    let settings = outbox_relay::Settings {
+        lease: Duration::from_secs(1),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    assert!(
+        eventually(PATIENCE, || async {
+            db.count("partition_owners").await == 64
+        })
+        .await,
+        "the relay never took its partitions"
+    );
+    require_a_missing_standby(&db, true).await;
+    // Heartbeats are five a lease: one is waiting for the standby by now.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let waiting: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = 'outbox-relay-owner' AND wait_event = 'SyncRep'",
+            &[],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0);
+    assert_eq!(waiting, 1, "the ownership heartbeat waits for the standby");
+    assert!(
+        tokio::time::timeout(PATIENCE, relay.stop()).await.is_ok(),
+        "the relay did not stop within {PATIENCE:?} while commits waited for the standby"
+    );
+    require_a_missing_standby(&db, false).await;
+    drop(primary);
+}
+
 /// No loss across a failover while writers commit: four writers commit
 /// 6,000 messages over 40 keys to a primary with a synchronous standby, and
 /// the standby takes over halfway. Every transaction a writer saw commit
