@@ -51,6 +51,20 @@ async fn require_a_missing_standby(db: &TestDb, on: bool) {
     }
 }
 
+/// How many sessions named `application_name` wait for a synchronous
+/// standby, as the runbook tells operators to look for them.
+async fn waiting_for_the_standby(db: &TestDb, application_name: &str) -> i64 {
+    db.client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = $1 AND wait_event = 'SyncRep'",
+            &[&application_name],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0)
+}
+
 /// Once commits no longer wait, the relay drains the outbox, and `broker`
 /// holds each of the `total` messages exactly once.
 async fn every_message_once_the_standby_is_dropped(
@@ -222,19 +236,9 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         "status does not name the missing standby: {:?}",
         status.blockers
     );
-    // As the runbook tells operators to look for it.
-    let barrier_waits: i64 = db
-        .client
-        .query_one(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE application_name = 'outbox-relay-durable' AND wait_event = 'SyncRep'",
-            &[],
-        )
-        .await
-        .expect("pg_stat_activity")
-        .get(0);
     assert_eq!(
-        barrier_waits, 1,
+        waiting_for_the_standby(&db, "outbox-relay-durable").await,
+        1,
         "the barrier session waits for the standby"
     );
 
@@ -372,17 +376,11 @@ async fn a_relay_stops_while_commits_wait_for_a_missing_standby() {
     require_a_missing_standby(&db, true).await;
     // Heartbeats are five a lease: one is waiting for the standby by now.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let waiting: i64 = db
-        .client
-        .query_one(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE application_name = 'outbox-relay-owner' AND wait_event = 'SyncRep'",
-            &[],
-        )
-        .await
-        .expect("pg_stat_activity")
-        .get(0);
-    assert_eq!(waiting, 1, "the ownership heartbeat waits for the standby");
+    assert_eq!(
+        waiting_for_the_standby(&db, "outbox-relay-owner").await,
+        1,
+        "the ownership heartbeat waits for the standby"
+    );
     assert!(
         tokio::time::timeout(PATIENCE, relay.stop()).await.is_ok(),
         "the relay did not stop within {PATIENCE:?} while commits waited for the standby"
