@@ -105,7 +105,16 @@ async fn listen_once(
                 });
             }
             _ = probe.tick() => {
-                match tokio::time::timeout(ANSWER, client.simple_query("SELECT 1")).await {
+                // A probe on a stranded connection waits out ANSWER;
+                // shutdown does not wait with it.
+                let answer = tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        driver.abort();
+                        return Ok(());
+                    }
+                    answer = tokio::time::timeout(ANSWER, client.simple_query("SELECT 1")) => answer,
+                };
+                match answer {
                     Ok(Ok(_)) => {}
                     Ok(Err(e)) => {
                         driver.abort();
