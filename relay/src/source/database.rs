@@ -129,11 +129,10 @@ impl Database {
         let (client, driver) = self.connect_driven().await?;
         // Who this session is on the server, for telling later whether the
         // server is still working on a request of its (see
-        // `Session::answered`).
-        // In the simple protocol, which any pooler passes: behind one that
-        // pools by transaction or statement, a prepared statement would
-        // fail here, before the relay can say what is wrong with it
-        // (`super::check_session`).
+        // `Session::answered`). In the simple protocol, which any pooler
+        // passes: behind one that pools by transaction or statement, a
+        // prepared statement would fail here, before the relay can say
+        // what is wrong with it (`super::check_session`).
         let me = client
             .simple_query(&format!("SELECT pid, {STARTED} {IDENTITY}"))
             .await?;
@@ -169,12 +168,8 @@ impl Database {
 
     /// Opens a connection and drives it in the background.
     pub async fn connect_spawned(&self) -> Result<Client, tokio_postgres::Error> {
-        let (client, connection) = self.connect().await?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "postgres connection ended");
-            }
-        });
+        let (client, driver) = self.connect_driven().await?;
+        drop(driver.detach());
         Ok(client)
     }
 }

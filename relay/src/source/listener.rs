@@ -46,13 +46,12 @@ async fn listen_once(
     wake: &Arc<Notify>,
     shutdown: &CancellationToken,
 ) -> Result<(), ListenError> {
-    let (client, mut connection) = tokio::time::timeout(ANSWER, config.connect())
-        .await
-        .map_err(|_| ListenError::Unanswered)??;
+    let (client, mut connection) = super::answered(ANSWER, config.connect()).await?;
     // The Connection future must be polled through poll_message: awaiting it as a
     // whole (the usual spawn) would drop every notification on the floor.
+    // Aborted with the handle, on every way out.
     let notifier = Arc::clone(wake);
-    let mut driver = tokio::spawn(async move {
+    let mut driver = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
         loop {
             match poll_fn(|cx| connection.poll_message(cx)).await {
                 Some(Ok(AsyncMessage::Notification(_))) => notifier.notify_one(),
@@ -61,25 +60,9 @@ async fn listen_once(
                 None => return Ok(()),
             }
         }
-    });
-    let setup = tokio::time::timeout(
-        ANSWER,
-        client.batch_execute(&format!(
-            "SET application_name = 'outbox-relay-listen'; LISTEN \"{channel}\""
-        )),
-    )
-    .await;
-    match setup {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            driver.abort();
-            return Err(e.into());
-        }
-        Err(_) => {
-            driver.abort();
-            return Err(ListenError::Unanswered);
-        }
-    }
+    }));
+    let setup = format!("SET application_name = 'outbox-relay-listen'; LISTEN \"{channel}\"");
+    super::answered(ANSWER, client.batch_execute(&setup)).await?;
     tracing::debug!(channel, "listening");
     // Catch up on whatever was committed while we were not listening: every
     // waiting worker, since notifications for any partition may have been
@@ -93,13 +76,10 @@ async fn listen_once(
     probe.tick().await;
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => {
-                driver.abort();
-                return Ok(());
-            }
+            _ = shutdown.cancelled() => return Ok(()),
             ended = &mut driver => {
                 return Err(match ended {
-                    Ok(Err(e)) => ListenError::Postgres(e),
+                    Ok(Err(e)) => ListenError::Postgres(e.into()),
                     Ok(Ok(())) => ListenError::Closed,
                     Err(_) => ListenError::Closed,
                 });
@@ -107,22 +87,10 @@ async fn listen_once(
             _ = probe.tick() => {
                 // A probe on a stranded connection waits out ANSWER;
                 // shutdown does not wait with it.
-                let answer = tokio::select! {
-                    _ = shutdown.cancelled() => {
-                        driver.abort();
-                        return Ok(());
-                    }
-                    answer = tokio::time::timeout(ANSWER, client.simple_query("SELECT 1")) => answer,
-                };
-                match answer {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => {
-                        driver.abort();
-                        return Err(ListenError::Postgres(e));
-                    }
-                    Err(_) => {
-                        driver.abort();
-                        return Err(ListenError::Unanswered);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    answer = super::answered(ANSWER, client.simple_query("SELECT 1")) => {
+                        answer?;
                     }
                 }
             }
@@ -132,16 +100,10 @@ async fn listen_once(
 
 #[derive(Debug, thiserror::Error)]
 enum ListenError {
-    #[error("{}", super::PgError(.0))]
-    Postgres(#[from] tokio_postgres::Error),
+    #[error("{0}")]
+    Postgres(#[from] super::PgFault),
     #[error("connection closed by the server")]
     Closed,
-    #[error(
-        "postgres sent no answer within {ANSWER:?}; connection given up (a proxy or load \
-         balancer in front of postgres can keep a connection open and silent after losing \
-         its backend)"
-    )]
-    Unanswered,
 }
 
 /// How long connecting, LISTEN, and each probe may go unanswered; a quiet
