@@ -1,7 +1,8 @@
 //! What finding rows costs the writers and the relay, in one run:
 //!
-//! `cargo run --release -p outbox-tests --bin bench-wake -- writers [--seconds S] [--rounds R]`
+//! `cargo run --release -p outbox-tests --bin bench-wake -- writers [--seconds S] [--rounds R] [--clients N]...`
 //!   commits one 1 KiB row per transaction from 1, 4, 16 and 64 connections
+//!   (or each `--clients` given)
 //!   into a plain table with the outbox's columns and indexes and no trigger
 //!   (the baseline), into the outbox as `migrate` leaves it, into the outbox
 //!   with NOTIFY on, and through `outbox.enqueue(...)`; by pgbench (plain SQL
@@ -68,7 +69,16 @@ fn args_all(name: &str) -> Vec<String> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match std::env::args().nth(1).as_deref() {
-        Some("writers") => writers(arg("--seconds", 8), arg("--rounds", 2)).await,
+        Some("writers") => {
+            let mut clients: Vec<usize> = args_all("--clients")
+                .iter()
+                .filter_map(|c| c.parse().ok())
+                .collect();
+            if clients.is_empty() {
+                clients = CLIENTS.to_vec();
+            }
+            writers(arg("--seconds", 8), arg("--rounds", 2), &clients).await
+        }
         Some("latency") => {
             let mut rates: Vec<u64> = args_all("--rate")
                 .iter()
@@ -91,7 +101,7 @@ async fn main() -> anyhow::Result<()> {
             .await
         }
         _ => {
-            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]");
+            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] [--clients N]... | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]");
             std::process::exit(2);
         }
     }
@@ -117,7 +127,7 @@ impl Target {
     }
 }
 
-async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
+async fn writers(seconds: u64, rounds: usize, counts: &[usize]) -> anyhow::Result<()> {
     let db = TestDb::new().await;
     let s = db.schema.quoted();
     db.client
@@ -179,7 +189,7 @@ async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
     };
 
     print_header("plain SQL (pgbench)");
-    for clients in CLIENTS {
+    for &clients in counts {
         let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
         for _ in 0..rounds {
             for (target, _) in &scripts {
@@ -217,7 +227,7 @@ async fn writers(seconds: u64, rounds: usize) -> anyhow::Result<()> {
     }
 
     print_header("outbox-client (tokio-postgres)");
-    for clients in CLIENTS {
+    for &clients in counts {
         let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
         for _ in 0..rounds {
             for target in [Target::Plain, Target::Outbox, Target::OutboxNotify] {
