@@ -52,6 +52,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V11__waiting_by_key",
         include_str!("../../migrations/V11__waiting_by_key.sql"),
     ),
+    (
+        "V12__enqueue_without_search_path",
+        include_str!("../../migrations/V12__enqueue_without_search_path.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -234,3 +234,85 @@ async fn concurrent_migrations_are_safe() {
         .await
         .expect("drop");
 }
+
+/// `enqueue()` carries no `SET search_path` (it costs writers CPU on every
+/// call); its body names the outbox's own objects with their schema. A caller
+/// whose path holds a look-alike `messages` table first, or nothing at all,
+/// still writes into the outbox, with a defaulted UUIDv7 id, and the checks
+/// still run.
+#[tokio::test]
+async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    let decoy = outbox_tests::unique("decoy");
+    db.client
+        .batch_execute(&format!(
+            "CREATE SCHEMA \"{decoy}\"; \
+             CREATE TABLE \"{decoy}\".messages (LIKE {s}.messages INCLUDING DEFAULTS); \
+             CREATE FUNCTION \"{decoy}\".uuid_v7() RETURNS uuid LANGUAGE sql AS \
+               $$ SELECT '00000000-0000-0000-0000-000000000000'::uuid $$"
+        ))
+        .await
+        .expect("decoy schema");
+    let mut ids = Vec::new();
+    for path in [format!("\"{decoy}\""), "''".to_owned()] {
+        db.client
+            .batch_execute(&format!("SET search_path = {path}"))
+            .await
+            .expect("set path");
+        let id: uuid::Uuid = db
+            .client
+            .query_one(
+                &format!("SELECT {s}.enqueue('d', 'p'::bytea, key => 'k')"),
+                &[],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("enqueue with search_path {path}: {e}"))
+            .get(0);
+        assert_eq!(id.get_version_num(), 7, "search_path {path}: {id}");
+        ids.push(id);
+        let refused = db
+            .client
+            .query_one(&format!("SELECT {s}.enqueue('', 'p'::bytea)"), &[])
+            .await
+            .expect_err("an empty destination is refused");
+        assert!(
+            refused.to_string().contains("destination is empty")
+                || refused
+                    .as_db_error()
+                    .is_some_and(|e| e.message().contains("destination is empty")),
+            "search_path {path}: {refused}"
+        );
+    }
+    db.client
+        .batch_execute("RESET search_path")
+        .await
+        .expect("reset");
+    let outbox: Vec<uuid::Uuid> = db
+        .client
+        .query(
+            &format!("SELECT message_id FROM {s}.messages ORDER BY seq"),
+            &[],
+        )
+        .await
+        .expect("outbox rows")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(outbox, ids, "both calls wrote into the outbox");
+    let decoyed: i64 = db
+        .client
+        .query_one(&format!("SELECT count(*) FROM \"{decoy}\".messages"), &[])
+        .await
+        .expect("decoy count")
+        .get(0);
+    assert_eq!(
+        decoyed, 0,
+        "nothing went into the caller's look-alike table"
+    );
+    db.client
+        .batch_execute(&format!("DROP SCHEMA \"{decoy}\" CASCADE"))
+        .await
+        .expect("drop decoy");
+    db.cleanup().await;
+}
