@@ -168,11 +168,7 @@ pub async fn collect(
 
 /// The session got no answer, or was given up with one that got none.
 fn is_unanswered<T>(done: &Result<T, crate::source::PgFault>) -> bool {
-    use crate::source::PgFault;
-    matches!(
-        done,
-        Err(PgFault::Unanswered(_) | PgFault::GivenUpWithOthers)
-    )
+    done.as_ref().is_err_and(crate::source::PgFault::gave_up)
 }
 
 async fn read_db_gauges(

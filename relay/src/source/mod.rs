@@ -49,6 +49,15 @@ pub enum PgFault {
     GivenUpWithOthers,
 }
 
+impl PgFault {
+    /// The session was given up: it got no answer, or was given up with one
+    /// that got none. Its socket is closed, and a transaction on it dangles
+    /// until the server notices; the next round trip needs a new session.
+    pub fn gave_up(&self) -> bool {
+        matches!(self, PgFault::Unanswered(_) | PgFault::GivenUpWithOthers)
+    }
+}
+
 /// `round_trip` (connecting, say), or [`PgFault::Unanswered`] when it has
 /// not come back within `bound`. Statements on an open session use
 /// [`Session::answered`], which asks the server before giving up.

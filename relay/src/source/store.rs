@@ -235,9 +235,9 @@ impl Store for PgStore {
         let prepared = client
             .answered(self.hold_limit / 2, self.queries.prepare(&client))
             .await
-            .map_err(|e| match e {
-                PgFault::Postgres(_) => OpenError::Prepare(e.into()),
-                PgFault::Unanswered(_) | PgFault::GivenUpWithOthers => OpenError::Connect(e.into()),
+            .map_err(|e| match e.gave_up() {
+                true => OpenError::Connect(e.into()),
+                false => OpenError::Prepare(e.into()),
             })?;
         Ok(PgSession {
             client,
@@ -314,7 +314,7 @@ impl PgTx<'_> {
         round_trip: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, StoreError> {
         let done = self.client.answered(self.bound, round_trip).await;
-        if let Err(PgFault::Unanswered(_) | PgFault::GivenUpWithOthers) = &done {
+        if done.as_ref().is_err_and(PgFault::gave_up) {
             *self.unanswered = true;
         }
         Ok(done?)
