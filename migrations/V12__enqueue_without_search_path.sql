@@ -3,10 +3,10 @@
 -- V7 and V8 gave enqueue() `SET search_path FROM CURRENT`, so that its body
 -- found `messages` in the outbox's schema whatever the caller's path. A SET
 -- clause is applied and undone on every call, and the path recomputed each
--- time: measured single-session, it cost about 7 % of the call's CPU, and at
--- 64 connections on two cores (where the writers run out of CPU, not of
--- disk) it put enqueue() at 0.94 of a plain INSERT, below the 0.95 the
--- outbox promises writers.
+-- time. Measured single-session, it cost about 7 % of the call's CPU; at
+-- 64 connections on two cores, where the writers run out of CPU before the
+-- disk runs out of flushes, the function without it commits about a tenth
+-- more (docs/wake-path.md).
 --
 -- The body now names the outbox's own objects with their schema, written in
 -- when this migration runs (the runner sets search_path to the configured
@@ -16,9 +16,9 @@
 -- can only affect the caller's own call.
 --
 -- Additive: the signature, defaults, checks, errors and result are V8's, so
--- clients and relays of the previous version see no difference. A schema
--- renamed after this migration must run it again (as it had to before: the
--- pinned path also named the schema).
+-- clients and relays of the previous version see no difference. Renaming the
+-- schema after this migration breaks enqueue(), as it did before (the pinned
+-- path named the schema too).
 DO $migrate$
 BEGIN
     EXECUTE replace($template$

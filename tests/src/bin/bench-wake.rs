@@ -7,7 +7,8 @@
 //!   (the baseline), into the outbox as `migrate` leaves it, into the outbox
 //!   with NOTIFY on, and through `outbox.enqueue(...)`; by pgbench (plain SQL
 //!   from another program) and by `outbox-client` (`Outbox::enqueue` against
-//!   the same INSERT into the plain table). Runs alternate; each figure is
+//!   the same INSERT into the plain table). Runs alternate, each round
+//!   starting one target later than the last; each figure is
 //!   the median of the rounds, as a ratio to the plain table.
 //!
 //! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]`
@@ -191,8 +192,12 @@ async fn writers(seconds: u64, rounds: usize, counts: &[usize]) -> anyhow::Resul
     print_header("plain SQL (pgbench)");
     for &clients in counts {
         let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
-        for _ in 0..rounds {
-            for (target, _) in &scripts {
+        for round in 0..rounds {
+            // Each round starts one target later, so no target always runs
+            // after the same one (the NOTIFY run, say) or at the same point
+            // of a round.
+            for i in 0..scripts.len() {
+                let (target, _) = &scripts[(round + i) % scripts.len()];
                 reset(*target == Target::OutboxNotify).await?;
                 let out = tokio::process::Command::new("pgbench")
                     .args(["-n", "-h", host, "-p", &port.to_string(), "-U", &user])
@@ -229,8 +234,10 @@ async fn writers(seconds: u64, rounds: usize, counts: &[usize]) -> anyhow::Resul
     print_header("outbox-client (tokio-postgres)");
     for &clients in counts {
         let mut tps: std::collections::HashMap<&str, Vec<f64>> = Default::default();
-        for _ in 0..rounds {
-            for target in [Target::Plain, Target::Outbox, Target::OutboxNotify] {
+        for round in 0..rounds {
+            let targets = [Target::Plain, Target::Outbox, Target::OutboxNotify];
+            for i in 0..targets.len() {
+                let target = targets[(round + i) % targets.len()];
                 reset(target == Target::OutboxNotify).await?;
                 let v = client_run(&db, target, clients, Duration::from_secs(seconds)).await?;
                 tps.entry(target.label()).or_default().push(v);
