@@ -56,6 +56,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V12__enqueue_without_search_path",
         include_str!("../../migrations/V12__enqueue_without_search_path.sql"),
     ),
+    (
+        "V13__inbox_check_in_plpgsql",
+        include_str!("../../migrations/V13__inbox_check_in_plpgsql.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -114,3 +114,118 @@ async fn inbox_purge_deletes_only_entries_past_the_window() {
     assert!(left.iter().all(|m| m.starts_with("new-")));
     db.cleanup().await;
 }
+
+/// The SQL inbox check as two consumers meet it when a broker redelivers a
+/// message to a second consumer instance while the first is still applying
+/// it: the second call waits for the first transaction, then reports a
+/// duplicate if it committed and a first arrival if it rolled back. The call
+/// works whatever the caller's `search_path` (the function names the inbox
+/// with its schema), empty or holding a look-alike `inbox` table first.
+#[tokio::test]
+async fn the_sql_inbox_check_waits_for_a_concurrent_holder_whatever_the_callers_path() {
+    let db = TestDb::new().await;
+    let f = format!("{}.inbox_process_once", db.schema.quoted());
+    let decoy = outbox_tests::unique("decoy");
+    db.client
+        .batch_execute(&format!(
+            "CREATE SCHEMA \"{decoy}\"; CREATE TABLE \"{decoy}\".inbox (consumer text, message_id text)"
+        ))
+        .await
+        .expect("decoy");
+    for (path, end) in [
+        (format!("\"{decoy}\""), "COMMIT"),
+        ("''".to_owned(), "ROLLBACK"),
+    ] {
+        let mut first = outbox_tests::db::connect(&db.config).await;
+        let mut second = outbox_tests::db::connect(&db.config).await;
+        for c in [&mut first, &mut second] {
+            c.batch_execute(&format!("SET search_path = {path}"))
+                .await
+                .expect("path");
+        }
+        let id = outbox_tests::unique("m");
+        let tx = first.transaction().await.expect("tx");
+        let new: bool = tx
+            .query_one(&format!("SELECT {f}('billing', $1)"), &[&id])
+            .await
+            .expect("first call")
+            .get(0);
+        assert!(new, "path {path}: the first call is a first arrival");
+        let racing = {
+            let (f, id) = (f.clone(), id.clone());
+            tokio::spawn(async move {
+                let tx = second.transaction().await.expect("tx");
+                let v: bool = tx
+                    .query_one(&format!("SELECT {f}('billing', $1)"), &[&id])
+                    .await
+                    .expect("second call")
+                    .get(0);
+                tx.commit().await.expect("commit");
+                v
+            })
+        };
+        // The second call waits on the first transaction's row: the server
+        // shows it blocked by the first session.
+        let blocker = tx
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get::<_, i32>(0);
+        let started = std::time::Instant::now();
+        loop {
+            let waiting: i64 = db
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%inbox_process_once%'",
+                    &[&blocker],
+                )
+                .await
+                .expect("activity")
+                .get(0);
+            if waiting == 1 {
+                break;
+            }
+            assert!(
+                !racing.is_finished(),
+                "path {path}: the second call returned without waiting for the first transaction"
+            );
+            assert!(
+                started.elapsed() < crate::PATIENCE,
+                "path {path}: the second call never waited"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if end == "COMMIT" {
+            tx.commit().await.expect("commit");
+        } else {
+            tx.rollback().await.expect("rollback");
+        }
+        let second_new = racing.await.expect("join");
+        assert_eq!(
+            second_new,
+            end == "ROLLBACK",
+            "path {path}: after the first transaction's {end}, the second call is {}",
+            if end == "ROLLBACK" {
+                "a first arrival"
+            } else {
+                "a duplicate"
+            }
+        );
+    }
+    let decoyed: i64 = db
+        .client
+        .query_one(&format!("SELECT count(*) FROM \"{decoy}\".inbox"), &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(
+        decoyed, 0,
+        "nothing went into the caller's look-alike table"
+    );
+    db.client
+        .batch_execute(&format!("DROP SCHEMA \"{decoy}\" CASCADE"))
+        .await
+        .expect("drop decoy");
+    db.cleanup().await;
+}
