@@ -98,6 +98,40 @@ impl TestDb {
             .get(0)
     }
 
+    /// A new schema of look-alike objects, for a caller's `search_path` to
+    /// find before the outbox's own: `ddl` runs with `{decoy}` replaced by
+    /// the schema's quoted name, which is returned.
+    pub async fn create_decoy(&self, ddl: &str) -> String {
+        let decoy = format!("\"{}\"", crate::unique("decoy"));
+        self.client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {decoy}; {}",
+                ddl.replace("{decoy}", &decoy)
+            ))
+            .await
+            .expect("decoy schema");
+        decoy
+    }
+
+    /// Asserts that nothing was written into `table` of the `decoy` schema,
+    /// then drops that schema.
+    pub async fn drop_empty_decoy(&self, decoy: &str, table: &str) {
+        let rows: i64 = self
+            .client
+            .query_one(&format!("SELECT count(*) FROM {decoy}.{table}"), &[])
+            .await
+            .expect("decoy count")
+            .get(0);
+        assert_eq!(
+            rows, 0,
+            "{rows} rows went into the caller's look-alike {table}"
+        );
+        self.client
+            .batch_execute(&format!("DROP SCHEMA {decoy} CASCADE"))
+            .await
+            .expect("drop decoy");
+    }
+
     /// The database URL for a relay process.
     pub fn url(&self) -> String {
         crate::pg_url()

@@ -244,18 +244,15 @@ async fn concurrent_migrations_are_safe() {
 async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() {
     let db = TestDb::new().await;
     let s = db.schema.quoted();
-    let decoy = outbox_tests::unique("decoy");
-    db.client
-        .batch_execute(&format!(
-            "CREATE SCHEMA \"{decoy}\"; \
-             CREATE TABLE \"{decoy}\".messages (LIKE {s}.messages INCLUDING DEFAULTS); \
-             CREATE FUNCTION \"{decoy}\".uuid_v7() RETURNS uuid LANGUAGE sql AS \
+    let decoy = db
+        .create_decoy(&format!(
+            "CREATE TABLE {{decoy}}.messages (LIKE {s}.messages INCLUDING DEFAULTS); \
+             CREATE FUNCTION {{decoy}}.uuid_v7() RETURNS uuid LANGUAGE sql AS \
                $$ SELECT '00000000-0000-0000-0000-000000000000'::uuid $$"
         ))
-        .await
-        .expect("decoy schema");
+        .await;
     let mut ids = Vec::new();
-    for path in [format!("\"{decoy}\""), "''".to_owned()] {
+    for path in [decoy.clone(), "''".to_owned()] {
         db.client
             .batch_execute(&format!("SET search_path = {path}"))
             .await
@@ -300,19 +297,6 @@ async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() 
         .map(|r| r.get(0))
         .collect();
     assert_eq!(outbox, ids, "both calls wrote into the outbox");
-    let decoyed: i64 = db
-        .client
-        .query_one(&format!("SELECT count(*) FROM \"{decoy}\".messages"), &[])
-        .await
-        .expect("decoy count")
-        .get(0);
-    assert_eq!(
-        decoyed, 0,
-        "nothing went into the caller's look-alike table"
-    );
-    db.client
-        .batch_execute(&format!("DROP SCHEMA \"{decoy}\" CASCADE"))
-        .await
-        .expect("drop decoy");
+    db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }

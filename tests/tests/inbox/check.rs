@@ -125,17 +125,10 @@ async fn inbox_purge_deletes_only_entries_past_the_window() {
 async fn the_sql_inbox_check_waits_for_a_concurrent_holder_whatever_the_callers_path() {
     let db = TestDb::new().await;
     let f = format!("{}.inbox_process_once", db.schema.quoted());
-    let decoy = outbox_tests::unique("decoy");
-    db.client
-        .batch_execute(&format!(
-            "CREATE SCHEMA \"{decoy}\"; CREATE TABLE \"{decoy}\".inbox (consumer text, message_id text)"
-        ))
-        .await
-        .expect("decoy");
-    for (path, end) in [
-        (format!("\"{decoy}\""), "COMMIT"),
-        ("''".to_owned(), "ROLLBACK"),
-    ] {
+    let decoy = db
+        .create_decoy("CREATE TABLE {decoy}.inbox (consumer text, message_id text)")
+        .await;
+    for (path, end) in [(decoy.clone(), "COMMIT"), ("''".to_owned(), "ROLLBACK")] {
         let mut first = outbox_tests::db::connect(&db.config).await;
         let mut second = outbox_tests::db::connect(&db.config).await;
         for c in [&mut first, &mut second] {
@@ -213,19 +206,6 @@ async fn the_sql_inbox_check_waits_for_a_concurrent_holder_whatever_the_callers_
             }
         );
     }
-    let decoyed: i64 = db
-        .client
-        .query_one(&format!("SELECT count(*) FROM \"{decoy}\".inbox"), &[])
-        .await
-        .expect("count")
-        .get(0);
-    assert_eq!(
-        decoyed, 0,
-        "nothing went into the caller's look-alike table"
-    );
-    db.client
-        .batch_execute(&format!("DROP SCHEMA \"{decoy}\" CASCADE"))
-        .await
-        .expect("drop decoy");
+    db.drop_empty_decoy(&decoy, "inbox").await;
     db.cleanup().await;
 }
