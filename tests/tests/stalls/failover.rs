@@ -248,6 +248,25 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
     drop(primary);
 }
 
+/// A private Postgres cluster, an outbox on it, and a relay over memory
+/// with `settings` that owns all 64 partitions.
+async fn a_relay_owning_a_private_primary(
+    settings: outbox_relay::Settings,
+) -> (PrivateCluster, TestDb, InProcessRelay) {
+    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
+    let config: tokio_postgres::Config = primary.url().parse().expect("url");
+    let db = TestDb::new_at(config).await;
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    assert!(
+        eventually(PATIENCE, || async {
+            db.count("partition_owners").await == 64
+        })
+        .await,
+        "the relay never took its partitions"
+    );
+    (primary, db, relay)
+}
+
 /// A missing synchronous standby makes commits wait on a live server, past
 /// any bound the relay puts on a silent connection (`stalls stranded::`).
 /// The relay must tell the two apart: a session given up while its commit
@@ -262,9 +281,6 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
 #[tokio::test]
 async fn a_missing_standby_makes_the_relay_give_up_no_session() {
     outbox_tests::init_logging();
-    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
-    let config: tokio_postgres::Config = primary.url().parse().expect("url");
-    let db = TestDb::new_at(config).await;
     let settings = outbox_relay::Settings {
         batch_size: 50,
         hold_limit: Duration::from_secs(4),
@@ -272,15 +288,8 @@ async fn a_missing_standby_makes_the_relay_give_up_no_session() {
         ..fast_settings()
     };
     let wait = settings.hold_limit * 3 + Duration::from_secs(1);
-    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let (primary, db, relay) = a_relay_owning_a_private_primary(settings).await;
     let broker = relay.publisher::<MemoryPublisher>();
-    assert!(
-        eventually(PATIENCE, || async {
-            db.count("partition_owners").await == 64
-        })
-        .await,
-        "the relay never took its partitions"
-    );
     let outage: std::time::SystemTime = db
         .client
         .query_one("SELECT now()", &[])
@@ -358,21 +367,11 @@ async fn a_missing_standby_makes_the_relay_give_up_no_session() {
 #[tokio::test]
 async fn a_relay_stops_while_commits_wait_for_a_missing_standby() {
     outbox_tests::init_logging();
-    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
-    let config: tokio_postgres::Config = primary.url().parse().expect("url");
-    let db = TestDb::new_at(config).await;
-    let settings = outbox_relay::Settings {
+    let (primary, db, relay) = a_relay_owning_a_private_primary(outbox_relay::Settings {
         lease: Duration::from_secs(1),
         ..fast_settings()
-    };
-    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
-    assert!(
-        eventually(PATIENCE, || async {
-            db.count("partition_owners").await == 64
-        })
-        .await,
-        "the relay never took its partitions"
-    );
+    })
+    .await;
     require_a_missing_standby(&db, true).await;
     // Heartbeats are five a lease: one is waiting for the standby by now.
     tokio::time::sleep(Duration::from_secs(1)).await;
