@@ -11,9 +11,10 @@
 //!   starting one target later than the last; each figure is
 //!   the median of the rounds, as a ratio to the plain table.
 //!
-//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]`
+//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin] [--fetch-wait-ms N]`
 //! (`--pin` holds a REPEATABLE READ snapshot open for the whole run, as a
-//! long report or pg_dump would)
+//! long report or pg_dump would; `--fetch-wait-ms` is the Kafka consumer's
+//! `fetch.wait.max.ms`, 1 unless given)
 //!   runs the release relay (`cargo build --release -p outbox-relay`) with
 //!   default settings, writes at each fixed rate (default 1,000 and 5,000
 //!   msg/s, one 1 KiB message per transaction from 16 connections), and
@@ -98,11 +99,12 @@ async fn main() -> anyhow::Result<()> {
                 notify,
                 &broker,
                 pin,
+                arg("--fetch-wait-ms", 1),
             )
             .await
         }
         _ => {
-            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] [--clients N]... | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin]");
+            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] [--clients N]... | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin] [--fetch-wait-ms N]");
             std::process::exit(2);
         }
     }
@@ -405,6 +407,7 @@ async fn latency(
     notify: bool,
     broker: &str,
     pin: bool,
+    fetch_wait_ms: u64,
 ) -> anyhow::Result<()> {
     let bin = release_relay_binary()?;
     let db = TestDb::new().await;
@@ -432,7 +435,13 @@ async fn latency(
                 .set("bootstrap.servers", &brokers)
                 .set("group.id", outbox_tests::unique("benchwake"))
                 .set("auto.offset.reset", "earliest")
-                .set("fetch.wait.max.ms", "5")
+                // tansu 0.6 holds every fetch for this long, records in
+                // hand or not (tansu-storage, service/fetch.rs: the loop
+                // sleeps out the rest of max_wait after each pass). A Kafka
+                // broker answers once fetch.min.bytes is there, so on tansu
+                // a longer wait adds to every receipt what Kafka would not:
+                // 5 ms put p99 3-4 ms above 1 ms (docs/benchmarks.md).
+                .set("fetch.wait.max.ms", fetch_wait_ms.to_string())
                 .create()?;
             consumer.subscribe(&[topic.as_str()])?;
             let receipts = Arc::clone(&receipts);
@@ -485,9 +494,14 @@ async fn latency(
     tokio::time::sleep(idle_for).await;
     let idle_cpu = cpu_time_of(pid).unwrap_or_default() - idle_from;
     println!(
-        "broker={broker} relay {} with its defaults, NOTIFY {}, 1 KiB messages over {keys} keys, 16 writer connections, {seconds}s per rate",
+        "broker={broker} relay {} with its defaults, NOTIFY {}, 1 KiB messages over {keys} keys, 16 writer connections, {seconds}s per rate{}",
         bin.display(),
-        if notify { "on" } else { "off" }
+        if notify { "on" } else { "off" },
+        if broker == "kafka" {
+            format!("; consumer's fetch.wait.max.ms {fetch_wait_ms}")
+        } else {
+            String::new()
+        }
     );
     println!(
         "idle relay: {:.2}% of a core over {}s",
