@@ -51,6 +51,8 @@ struct Args {
     replicas: usize,
     /// Backlog sizes for `--broker backlog`.
     sizes: Vec<usize>,
+    /// `--broker backlog`: a CHECKPOINT between filling and draining.
+    checkpoint: bool,
 }
 
 fn parse_args() -> Args {
@@ -63,6 +65,7 @@ fn parse_args() -> Args {
         rounds: 1,
         replicas: 3,
         sizes: vec![10_000, 100_000, 1_000_000],
+        checkpoint: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -78,6 +81,11 @@ fn parse_args() -> Args {
                 }
             }
             i += 2;
+            continue;
+        }
+        if argv[i] == "--checkpoint" {
+            a.checkpoint = true;
+            i += 1;
             continue;
         }
         if argv[i] == "--sizes" {
@@ -105,7 +113,7 @@ fn parse_args() -> Args {
             ("--rounds", Some(v)) if v > 0 => a.rounds = v,
             ("--replicas", Some(v)) if v > 0 => a.replicas = v,
             (other, _) => {
-                eprintln!("usage: bench [--broker amqp|kafka|all|memory|backlog] [--sizes N,N,...] [--messages N] [--keys K] [--batch B] [--pipeline P] [--rounds R] [--replicas N] (bad: {other})");
+                eprintln!("usage: bench [--broker amqp|kafka|all|memory|backlog] [--sizes N,N,...] [--checkpoint] [--messages N] [--keys K] [--batch B] [--pipeline P] [--rounds R] [--replicas N] (bad: {other})");
                 std::process::exit(2);
             }
         }
@@ -676,6 +684,30 @@ impl PgWrites {
         })
     }
 
+    /// Reads the counters once this session's own statistics are flushed
+    /// and every other session of the database not in `keep` has ended. A
+    /// session reports its WAL at most once a second while busy, up to 10 s
+    /// late once idle, and last as it exits: read at once, a drain of under
+    /// a second showed none of its WAL, and the fill's could land in the
+    /// drain's count.
+    async fn settled(client: &tokio_postgres::Client, keep: &[i32]) -> anyhow::Result<Self> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while other_sessions(client)
+            .await?
+            .iter()
+            .any(|p| !keep.contains(p))
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Postgres 15 and later; on 14 the session's own last second may
+        // be missing.
+        let _ = client
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await;
+        Self::read(client).await
+    }
+
     /// Per message of `messages`, since `before`.
     fn per_message(&self, before: &PgWrites, messages: usize) -> String {
         let n = messages.max(1) as f64;
@@ -687,6 +719,19 @@ impl PgWrites {
             self.checkpoints - before.checkpoints,
         )
     }
+}
+
+/// The other client sessions on `client`'s database, by backend pid.
+async fn other_sessions(client: &tokio_postgres::Client) -> anyhow::Result<Vec<i32>> {
+    let rows = client
+        .query(
+            "SELECT pid FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+               AND backend_type = 'client backend'",
+            &[],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// Runs the relay process with `env` added until the outbox is empty (or,
@@ -721,6 +766,8 @@ where
             (format!("127.0.0.1:{port}"), Some(port))
         }
     };
+    let keep = other_sessions(&db.client).await?;
+    let writes_before = PgWrites::settled(&db.client, &keep).await?;
     let mut child = tokio::process::Command::new(bin)
         .arg("run")
         .envs(env.iter().copied())
@@ -733,7 +780,6 @@ where
         .kill_on_drop(true)
         .spawn()?;
     let pid = child.id().unwrap_or(0);
-    let writes_before = PgWrites::read(&db.client).await?;
     let watch = CpuWatch::start(&BACKLOG_PROGRAMS);
     let started = Instant::now();
     let count_rows = || async {
@@ -800,7 +846,6 @@ where
     }
     let ended = Instant::now();
     let split = watch.stop().await;
-    let writes = PgWrites::read(&db.client).await?;
     let secs = (ended - started).as_secs_f64();
     let left = count_rows().await?;
     anyhow::ensure!(
@@ -810,6 +855,7 @@ where
     let peak_rss_kib = outbox_tests::process::peak_rss_kib(pid).unwrap_or(0);
     let cpu = outbox_tests::process::cpu_time_of(pid).unwrap_or_default();
     child.kill().await?;
+    let writes = PgWrites::settled(&db.client, &keep).await?;
     ch.queue_purge(consumer_queue.into(), QueuePurgeOptions::default())
         .await?;
     let rate_after_start = match first_published {
@@ -895,50 +941,65 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
         v
     };
     println!(
-        "autovacuum = {autovacuum}; one durable queue on the default exchange, {}; 1 KiB over {} keys",
+        "autovacuum = {autovacuum}; one durable queue on the default exchange, {}; 1 KiB over {} keys; {}",
         if consumer.is_some() { "emptied by a consumer" } else { "no consumer, bounded at 50,000 (drop-head)" },
-        args.keys
+        args.keys,
+        if args.checkpoint { "a CHECKPOINT between filling and draining" } else { "drained right after filling" }
     );
     println!(
         "{:<10} {:<26} {:>10} {:>9} {:>9} {:>10} {:>12}",
         "backlog", "snapshot", "msgs/s", "vs 10k", "RSS MiB", "CPU s/10k", "claim"
     );
-    let mut baseline = None;
-    for &size in &args.sizes {
-        let variants: &[(&str, bool, bool)] = if size <= 100_000 {
-            &[
-                ("none", false, true),
-                ("pinned", true, true),
-                ("pinned, floor off", true, false),
-            ]
-        } else {
-            &[("none", false, true), ("pinned", true, true)]
-        };
-        for &(label, pinned, floor_on) in variants {
-            let db = TestDb::new().await;
-            outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
-            let pin = outbox_tests::db::connect(&db.config).await;
-            if pinned {
-                pin.batch_execute(
-                    "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
-                )
-                .await?;
-            }
-            let fill = Args {
-                messages: size,
-                sizes: Vec::new(),
-                broker: String::new(),
-                ..*args
+    // (size, snapshot, rate, rate against its round's first drain), every round.
+    let mut results: Vec<(usize, &str, f64, f64)> = Vec::new();
+    for round in 1..=args.rounds {
+        if args.rounds > 1 {
+            println!("round {round} of {}", args.rounds);
+        }
+        let mut baseline = None;
+        for &size in &args.sizes {
+            let variants: &[(&str, bool, bool)] = if size <= 100_000 {
+                &[
+                    ("none", false, true),
+                    ("pinned", true, true),
+                    ("pinned, floor off", true, false),
+                ]
+            } else {
+                &[("none", false, true), ("pinned", true, true)]
             };
-            fill_outbox_to(&db, "amq.default", &queue, &fill).await?;
-            let mut env = Vec::new();
-            if !floor_on {
-                env.push(("OUTBOX_CLAIM_FLOOR_RESCAN", "0s"));
-            }
-            let claim_halfway = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-            let note = std::sync::Arc::clone(&claim_halfway);
-            let (config, schema) = (db.config.clone(), db.schema.clone());
-            let drained = drain_process_with(&bin, &db, size, &queue, &ch, &env, || {
+            for &(label, pinned, floor_on) in variants {
+                let db = TestDb::new().await;
+                outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+                let pin = outbox_tests::db::connect(&db.config).await;
+                if pinned {
+                    pin.batch_execute(
+                        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
+                    )
+                    .await?;
+                }
+                let fill = Args {
+                    messages: size,
+                    sizes: Vec::new(),
+                    broker: String::new(),
+                    ..*args
+                };
+                fill_outbox_to(&db, "amq.default", &queue, &fill).await?;
+                if args.checkpoint {
+                    // A backlog that built up over an outage has seen a
+                    // checkpoint since its rows were written (every
+                    // checkpoint_timeout), so deleting each heap page logs it
+                    // whole. A small backlog filled just before its drain
+                    // would not pay that; this makes every size pay it.
+                    db.client.batch_execute("CHECKPOINT").await?;
+                }
+                let mut env = Vec::new();
+                if !floor_on {
+                    env.push(("OUTBOX_CLAIM_FLOOR_RESCAN", "0s"));
+                }
+                let claim_halfway = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+                let note = std::sync::Arc::clone(&claim_halfway);
+                let (config, schema) = (db.config.clone(), db.schema.clone());
+                let drained = drain_process_with(&bin, &db, size, &queue, &ch, &env, || {
                 async move {
                     if !pinned || size < 1_000_000 {
                         return;
@@ -961,36 +1022,76 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
                 }
             })
             .await?;
-            let rate = drained.rate_after_start;
-            let base = *baseline.get_or_insert(rate);
-            let claim = claim_halfway.lock().expect("not poisoned").clone();
+                let rate = drained.rate_after_start;
+                let base = *baseline.get_or_insert(rate);
+                results.push((size, label, rate, rate / base));
+                let claim = claim_halfway.lock().expect("not poisoned").clone();
+                println!(
+                    "{:<10} {:<26} {:>10.0} {:>9.2} {:>9.1} {:>10.2} {:>12}",
+                    size,
+                    label,
+                    rate,
+                    rate / base,
+                    drained.peak_rss_kib as f64 / 1024.0,
+                    drained.cpu.as_secs_f64() / size as f64 * 10_000.0,
+                    if claim.is_empty() { "-" } else { "below" }
+                );
+                if !claim.is_empty() {
+                    println!("  {claim}");
+                }
+                println!("  {}", drained.split.per_message(size));
+                println!("  {}", drained.writes);
+                if consumer.is_some() {
+                    // What it had not received when the drain ended was purged
+                    // (or, had it fallen 50,000 behind, dropped at the bound).
+                    let got = received.swap(0, std::sync::atomic::Ordering::Relaxed);
+                    if got < size as u64 {
+                        println!(
+                            "  the consumer received {got} of {size} before the queue was purged"
+                        );
+                    }
+                }
+                if pinned {
+                    pin.batch_execute("ROLLBACK").await?;
+                }
+                db.cleanup().await;
+            }
+        }
+    }
+    if args.rounds > 1 {
+        // Each round's ratios are to its own first drain, so a machine that
+        // slows between rounds moves the rates, not the ratios.
+        println!("medians over {} rounds", args.rounds);
+        println!(
+            "{:<10} {:<26} {:>10} {:>9}  ratios by round",
+            "backlog", "snapshot", "msgs/s", "vs first"
+        );
+        let mut seen: Vec<(usize, &str)> = Vec::new();
+        for &(size, label, _, _) in &results {
+            if seen.contains(&(size, label)) {
+                continue;
+            }
+            seen.push((size, label));
+            let of = |pick: fn(&(usize, &str, f64, f64)) -> f64| -> Vec<f64> {
+                results
+                    .iter()
+                    .filter(|r| r.0 == size && r.1 == label)
+                    .map(pick)
+                    .collect()
+            };
+            let ratios = of(|r| r.3);
             println!(
-                "{:<10} {:<26} {:>10.0} {:>9.2} {:>9.1} {:>10.2} {:>12}",
+                "{:<10} {:<26} {:>10.0} {:>9.2}  {}",
                 size,
                 label,
-                rate,
-                rate / base,
-                drained.peak_rss_kib as f64 / 1024.0,
-                drained.cpu.as_secs_f64() / size as f64 * 10_000.0,
-                if claim.is_empty() { "-" } else { "below" }
+                outbox_tests::median(of(|r| r.2)),
+                outbox_tests::median(ratios.clone()),
+                ratios
+                    .iter()
+                    .map(|r| format!("{r:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
-            if !claim.is_empty() {
-                println!("  {claim}");
-            }
-            println!("  {}", drained.split.per_message(size));
-            println!("  {}", drained.writes);
-            if consumer.is_some() {
-                // What it had not received when the drain ended was purged
-                // (or, had it fallen 50,000 behind, dropped at the bound).
-                let got = received.swap(0, std::sync::atomic::Ordering::Relaxed);
-                if got < size as u64 {
-                    println!("  the consumer received {got} of {size} before the queue was purged");
-                }
-            }
-            if pinned {
-                pin.batch_execute("ROLLBACK").await?;
-            }
-            db.cleanup().await;
         }
     }
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
