@@ -60,6 +60,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V13__inbox_check_in_plpgsql",
         include_str!("../../migrations/V13__inbox_check_in_plpgsql.sql"),
     ),
+    (
+        "V14__enqueue_names_pg_catalog",
+        include_str!("../../migrations/V14__enqueue_names_pg_catalog.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -300,3 +300,88 @@ async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() 
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }
+
+/// A caller may put pg_catalog after a schema of its own on purpose, so that
+/// its functions and operators override the built-ins (Postgres documents
+/// this; Oracle-compatibility setups use it). `enqueue()` still checks with
+/// the built-ins: each of these calls must be refused as without the
+/// look-alikes, and only the valid one written.
+#[tokio::test]
+async fn the_sql_enqueue_checks_with_the_builtins_when_the_callers_path_overrides_them() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    let decoy = db
+        .create_decoy(&format!(
+            "CREATE TABLE {{decoy}}.messages (LIKE {s}.messages INCLUDING DEFAULTS); \
+             CREATE FUNCTION {{decoy}}.octet_length(bytea) RETURNS integer \
+               LANGUAGE sql AS $$ SELECT 0 $$; \
+             CREATE FUNCTION {{decoy}}.lower(text) RETURNS text \
+               LANGUAGE sql AS $$ SELECT 'x'::pg_catalog.text $$; \
+             CREATE FUNCTION {{decoy}}.jsonb_typeof(jsonb) RETURNS text \
+               LANGUAGE sql AS $$ SELECT 'object'::pg_catalog.text $$; \
+             CREATE FUNCTION {{decoy}}.never_equal(text, text) RETURNS boolean \
+               LANGUAGE sql AS $$ SELECT false $$; \
+             CREATE OPERATOR {{decoy}}.= (LEFTARG = text, RIGHTARG = text, \
+               FUNCTION = {{decoy}}.never_equal)"
+        ))
+        .await;
+    db.client
+        .batch_execute(&format!("SET search_path = {decoy}, pg_catalog"))
+        .await
+        .expect("set path");
+    let refusals = [
+        (
+            "'d', '\\x0102030405'::bytea, max_payload_bytes => 4",
+            "exceeds the limit",
+        ),
+        ("'', 'p'::bytea", "destination is empty"),
+        ("'d', 'p'::bytea, event_type => ''", "event type is empty"),
+        (
+            "'d', 'p'::bytea, headers => '[]'::jsonb",
+            "headers must be a JSON object",
+        ),
+        (
+            "'d', 'p'::bytea, headers => '{\"Message-Id\": \"x\"}'::jsonb",
+            "reserved",
+        ),
+    ];
+    for (args, expected) in refusals {
+        let refused = db
+            .client
+            .query_one(&format!("SELECT {s}.enqueue({args})"), &[])
+            .await
+            .expect_err(&format!("enqueue({args}) is refused"));
+        let message = refused
+            .as_db_error()
+            .map(|e| e.message().to_owned())
+            .unwrap_or_else(|| refused.to_string());
+        assert!(
+            message.contains(expected),
+            "enqueue({args}): expected '{expected}', got: {message}"
+        );
+    }
+    let id: uuid::Uuid = db
+        .client
+        .query_one(
+            &format!("SELECT {s}.enqueue('d', 'p'::bytea, headers => '{{\"h\": \"v\"}}'::jsonb)"),
+            &[],
+        )
+        .await
+        .expect("a valid call is taken")
+        .get(0);
+    db.client
+        .batch_execute("RESET search_path")
+        .await
+        .expect("reset");
+    let outbox: Vec<uuid::Uuid> = db
+        .client
+        .query(&format!("SELECT message_id FROM {s}.messages"), &[])
+        .await
+        .expect("outbox rows")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(outbox, vec![id], "only the valid call wrote a row");
+    db.drop_empty_decoy(&decoy, "messages").await;
+    db.cleanup().await;
+}
