@@ -64,6 +64,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V14__enqueue_names_pg_catalog",
         include_str!("../../migrations/V14__enqueue_names_pg_catalog.sql"),
     ),
+    (
+        "V15__uuid_v7_names_pg_catalog",
+        include_str!("../../migrations/V15__uuid_v7_names_pg_catalog.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -385,3 +385,69 @@ async fn the_sql_enqueue_checks_with_the_builtins_when_the_callers_path_override
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }
+
+/// Every row that names no message id takes `uuid_v7()`'s, from a plain
+/// INSERT or from `enqueue()`, and a caller's path that puts its own
+/// `gen_random_uuid()` and `clock_timestamp()` ahead of pg_catalog changes
+/// nothing: the ids stay distinct, version 7, and stamped with the time.
+#[tokio::test]
+async fn message_ids_stay_time_ordered_uuids_when_the_callers_path_overrides_builtins() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    let decoy = db
+        .create_decoy(&format!(
+            "CREATE TABLE {{decoy}}.messages (LIKE {s}.messages INCLUDING DEFAULTS); \
+             CREATE FUNCTION {{decoy}}.gen_random_uuid() RETURNS uuid LANGUAGE sql AS \
+               $$ SELECT '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid $$; \
+             CREATE FUNCTION {{decoy}}.clock_timestamp() RETURNS timestamptz LANGUAGE sql AS \
+               $$ SELECT 'epoch'::pg_catalog.timestamptz $$"
+        ))
+        .await;
+    let unix_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_millis() as u64
+    };
+    let from = unix_ms();
+    db.client
+        .batch_execute(&format!("SET search_path = {decoy}, pg_catalog"))
+        .await
+        .expect("set path");
+    let mut ids: Vec<uuid::Uuid> = Vec::new();
+    for statement in [
+        format!("INSERT INTO {s}.messages (destination, payload) VALUES ('d', 'p'::bytea) RETURNING message_id"),
+        format!("INSERT INTO {s}.messages (destination, payload) VALUES ('d', 'p'::bytea) RETURNING message_id"),
+        format!("SELECT {s}.enqueue('d', 'p'::bytea)"),
+        format!("SELECT {s}.enqueue('d', 'p'::bytea)"),
+    ] {
+        let id = db
+            .client
+            .query_one(&statement, &[])
+            .await
+            .unwrap_or_else(|e| {
+                let why = e.as_db_error().map(|d| d.message().to_owned());
+                panic!("{statement}: {}", why.unwrap_or_else(|| e.to_string()))
+            })
+            .get(0);
+        ids.push(id);
+    }
+    db.client
+        .batch_execute("RESET search_path")
+        .await
+        .expect("reset");
+    let to = unix_ms();
+    for id in &ids {
+        assert_eq!(id.get_version_num(), 7, "{id} is a UUIDv7");
+        let b = id.as_bytes();
+        let ms = u64::from_be_bytes([0, 0, b[0], b[1], b[2], b[3], b[4], b[5]]);
+        assert!(
+            (from.saturating_sub(1_000)..=to + 1_000).contains(&ms),
+            "{id} carries {ms} ms, not the time of its insert ({from}..{to})"
+        );
+    }
+    let distinct: std::collections::HashSet<_> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "every id differs: {ids:?}");
+    db.drop_empty_decoy(&decoy, "messages").await;
+    db.cleanup().await;
+}
