@@ -235,6 +235,27 @@ async fn concurrent_migrations_are_safe() {
         .expect("drop");
 }
 
+/// The server's message for a database error, or the error itself.
+fn db_message(e: &tokio_postgres::Error) -> String {
+    e.as_db_error()
+        .map(|d| d.message().to_owned())
+        .unwrap_or_else(|| e.to_string())
+}
+
+/// The message ids in the outbox of schema `s` (quoted), oldest first.
+async fn outbox_ids(db: &TestDb, s: &str) -> Vec<uuid::Uuid> {
+    db.client
+        .query(
+            &format!("SELECT message_id FROM {s}.messages ORDER BY seq"),
+            &[],
+        )
+        .await
+        .expect("outbox rows")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 /// `enqueue()` carries no `SET search_path` (it costs writers CPU on every
 /// call); its body names the outbox's own objects with their schema. A caller
 /// whose path holds a look-alike `messages` table first, or nothing at all,
@@ -274,10 +295,7 @@ async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() 
             .await
             .expect_err("an empty destination is refused");
         assert!(
-            refused.to_string().contains("destination is empty")
-                || refused
-                    .as_db_error()
-                    .is_some_and(|e| e.message().contains("destination is empty")),
+            db_message(&refused).contains("destination is empty"),
             "search_path {path}: {refused}"
         );
     }
@@ -285,18 +303,11 @@ async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() 
         .batch_execute("RESET search_path")
         .await
         .expect("reset");
-    let outbox: Vec<uuid::Uuid> = db
-        .client
-        .query(
-            &format!("SELECT message_id FROM {s}.messages ORDER BY seq"),
-            &[],
-        )
-        .await
-        .expect("outbox rows")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(outbox, ids, "both calls wrote into the outbox");
+    assert_eq!(
+        outbox_ids(&db, &s).await,
+        ids,
+        "both calls wrote into the outbox"
+    );
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }
@@ -351,10 +362,7 @@ async fn the_sql_enqueue_checks_with_the_builtins_when_the_callers_path_override
             .query_one(&format!("SELECT {s}.enqueue({args})"), &[])
             .await
             .expect_err(&format!("enqueue({args}) is refused"));
-        let message = refused
-            .as_db_error()
-            .map(|e| e.message().to_owned())
-            .unwrap_or_else(|| refused.to_string());
+        let message = db_message(&refused);
         assert!(
             message.contains(expected),
             "enqueue({args}): expected '{expected}', got: {message}"
@@ -373,15 +381,11 @@ async fn the_sql_enqueue_checks_with_the_builtins_when_the_callers_path_override
         .batch_execute("RESET search_path")
         .await
         .expect("reset");
-    let outbox: Vec<uuid::Uuid> = db
-        .client
-        .query(&format!("SELECT message_id FROM {s}.messages"), &[])
-        .await
-        .expect("outbox rows")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(outbox, vec![id], "only the valid call wrote a row");
+    assert_eq!(
+        outbox_ids(&db, &s).await,
+        vec![id],
+        "only the valid call wrote a row"
+    );
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }
@@ -425,10 +429,7 @@ async fn message_ids_stay_time_ordered_uuids_when_the_callers_path_overrides_bui
             .client
             .query_one(&statement, &[])
             .await
-            .unwrap_or_else(|e| {
-                let why = e.as_db_error().map(|d| d.message().to_owned());
-                panic!("{statement}: {}", why.unwrap_or_else(|| e.to_string()))
-            })
+            .unwrap_or_else(|e| panic!("{statement}: {}", db_message(&e)))
             .get(0);
         ids.push(id);
     }
