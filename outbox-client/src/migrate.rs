@@ -68,6 +68,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V15__uuid_v7_names_pg_catalog",
         include_str!("../../migrations/V15__uuid_v7_names_pg_catalog.sql"),
     ),
+    (
+        "V16__triggers_name_pg_catalog",
+        include_str!("../../migrations/V16__triggers_name_pg_catalog.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

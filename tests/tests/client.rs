@@ -452,3 +452,77 @@ async fn message_ids_stay_time_ordered_uuids_when_the_callers_path_overrides_bui
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }
+
+/// With `notify on`, the insert trigger signals the outbox's channel however
+/// the inserting caller's path is set: look-alike `pg_notify` and `||` ahead
+/// of pg_catalog must not swallow or redirect the wake-up. A sentinel sent
+/// after the insert commits marks where the trigger's notification must
+/// already be, since listeners get notifications in commit order.
+#[tokio::test]
+async fn the_notify_trigger_signals_its_channel_when_the_callers_path_overrides_builtins() {
+    use futures::StreamExt;
+
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    outbox_client::set_notify(&db.client, db.schema.as_str(), true)
+        .await
+        .expect("notify on");
+    let decoy = db
+        .create_decoy(&format!(
+            "CREATE TABLE {{decoy}}.messages (LIKE {s}.messages INCLUDING DEFAULTS); \
+             CREATE FUNCTION {{decoy}}.pg_notify(text, text) RETURNS void \
+               LANGUAGE sql AS $$ SELECT $$; \
+             CREATE FUNCTION {{decoy}}.concat_elsewhere(text, text) RETURNS text \
+               LANGUAGE sql AS $$ SELECT 'elsewhere'::pg_catalog.text $$; \
+             CREATE OPERATOR {{decoy}}.|| (LEFTARG = text, RIGHTARG = text, \
+               FUNCTION = {{decoy}}.concat_elsewhere)"
+        ))
+        .await;
+
+    let channel = db.schema.notify_channel();
+    let (listener, mut connection) = db
+        .config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .expect("listener connects");
+    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+    let (notifications, mut received) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = notifications.send((n.channel().to_owned(), n.payload().to_owned()));
+            }
+        }
+    });
+    listener
+        .batch_execute(&format!("LISTEN \"{channel}\"; LISTEN elsewhere"))
+        .await
+        .expect("listen");
+
+    db.client
+        .batch_execute(&format!(
+            "SET search_path = {decoy}, pg_catalog; \
+             INSERT INTO {s}.messages (destination, payload) VALUES ('d', 'p'::bytea); \
+             RESET search_path; \
+             NOTIFY \"{channel}\", 'sentinel'"
+        ))
+        .await
+        .expect("insert under the look-alike path, then the sentinel");
+
+    let mut before_sentinel = Vec::new();
+    loop {
+        let (channel, payload) = received.recv().await.expect("listener is open");
+        if payload == "sentinel" {
+            break;
+        }
+        before_sentinel.push((channel, payload));
+    }
+    assert_eq!(
+        before_sentinel,
+        vec![(channel, String::new())],
+        "the insert's commit signals the outbox's channel, and only it"
+    );
+    assert_eq!(outbox_ids(&db, &s).await.len(), 1, "the row is in the outbox");
+    db.drop_empty_decoy(&decoy, "messages").await;
+    db.cleanup().await;
+}

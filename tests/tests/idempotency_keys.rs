@@ -244,6 +244,55 @@ async fn commit_without_a_stored_response_is_refused() {
     db.cleanup().await;
 }
 
+/// The commit-time guard holds for a caller whose path puts a look-alike
+/// `=` for text ahead of pg_catalog (Postgres lets a path override built-ins
+/// that way): an `in_progress` key written by plain SQL, from any language,
+/// still cannot commit.
+#[tokio::test]
+async fn commit_without_a_stored_response_is_refused_whatever_the_callers_path() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    let decoy = db
+        .create_decoy(&format!(
+            "CREATE TABLE {{decoy}}.idempotency_keys \
+               (LIKE {s}.idempotency_keys INCLUDING DEFAULTS); \
+             CREATE FUNCTION {{decoy}}.never_equal(text, text) RETURNS boolean \
+               LANGUAGE sql AS $$ SELECT false $$; \
+             CREATE OPERATOR {{decoy}}.= (LEFTARG = text, RIGHTARG = text, \
+               FUNCTION = {{decoy}}.never_equal)"
+        ))
+        .await;
+    let refused = db
+        .client
+        .batch_execute(&format!(
+            "SET search_path = {decoy}, pg_catalog; \
+             BEGIN; \
+             INSERT INTO {s}.idempotency_keys (scope, key, fingerprint, state, expires_at) \
+               VALUES ('{SCOPE}', 'k5', pg_catalog.decode(pg_catalog.repeat('ab', 32), 'hex'), \
+                       'in_progress', pg_catalog.now() OPERATOR(pg_catalog.+) '1 hour'); \
+             COMMIT"
+        ))
+        .await
+        .expect_err("commit must be refused");
+    assert!(
+        refused
+            .as_db_error()
+            .is_some_and(|e| e.message().contains("without a stored response")),
+        "{refused:?}"
+    );
+    db.client
+        .batch_execute("ROLLBACK; RESET search_path")
+        .await
+        .expect("reset");
+    assert_eq!(
+        count(&db, &format!("{s}.idempotency_keys")).await,
+        0,
+        "no in_progress key committed"
+    );
+    db.drop_empty_decoy(&decoy, "idempotency_keys").await;
+    db.cleanup().await;
+}
+
 #[derive(Debug)]
 struct Insufficient;
 
