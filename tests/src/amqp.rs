@@ -461,3 +461,37 @@ pub async fn rabbitmqctl(args: &[&str]) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A memory alarm on the broker (`vm_memory_high_watermark` 0), cleared by
+/// [`MemoryAlarm::clear`], or on drop if a failed assertion got there first,
+/// so that one failing test does not leave every later one blocked.
+pub struct MemoryAlarm {
+    cleared: bool,
+}
+
+/// The watermark RabbitMQ ships with.
+const DEFAULT_WATERMARK: &str = "0.4";
+
+impl MemoryAlarm {
+    /// Raises the alarm: the broker blocks every publishing connection.
+    pub async fn raise() -> MemoryAlarm {
+        rabbitmqctl(&["set_vm_memory_high_watermark", "0"]).await;
+        MemoryAlarm { cleared: false }
+    }
+
+    /// Clears it.
+    pub async fn clear(mut self) {
+        rabbitmqctl(&["set_vm_memory_high_watermark", DEFAULT_WATERMARK]).await;
+        self.cleared = true;
+    }
+}
+
+impl Drop for MemoryAlarm {
+    fn drop(&mut self) {
+        if !self.cleared {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(["set_vm_memory_high_watermark", DEFAULT_WATERMARK])
+                .output();
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_tests::amqp::{rabbitmqctl, Fixture};
+use outbox_tests::amqp::{rabbitmqctl, Fixture, MemoryAlarm};
 use outbox_tests::check::judge;
 use outbox_tests::db::TestDb;
 use outbox_tests::sink::Sink;
@@ -188,7 +188,8 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
 /// point where another replica could take them), batches claimed while the
 /// connection is blocked must not be sent at all, and once the alarm clears
 /// everything arrives with duplicates within one set of in-flight batches.
-/// Before the per-batch deadline a batch waited on the confirm timeout alone,
+/// All the while the broker shows as down, from the first batch that found
+/// it blocked. Before the per-batch deadline a batch waited on the confirm timeout alone,
 /// which nothing tied to the hold limit.
 #[tokio::test]
 async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
@@ -233,11 +234,34 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
         pids
     };
     let before = sessions().await;
-    rabbitmqctl(&["set_vm_memory_high_watermark", "0"]).await;
-    // Long enough for several batch deadlines and hold limits to pass.
-    tokio::time::sleep(Duration::from_secs(15)).await;
+    let alarm = MemoryAlarm::raise().await;
+    // Long enough for several batch deadlines and hold limits to pass, and
+    // for the broker probe (every 2 s) to run several times. Once a batch
+    // has found the connection blocked, the broker stays reported down,
+    // since that moment, for as long as the alarm lasts: an operator's
+    // "down for more than N minutes" must be able to fire.
+    let raised = std::time::Instant::now();
+    let mut first_down = None;
+    while raised.elapsed() < Duration::from_secs(15) {
+        let down = relay.stats.broker_down().map(|(since, _)| since);
+        match (first_down, down) {
+            (None, Some(since)) => first_down = Some(since),
+            (Some(first), now) => assert_eq!(
+                now,
+                Some(first),
+                "{:?} into the alarm: the broker was reported back, or down anew",
+                raised.elapsed()
+            ),
+            (None, None) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        first_down.is_some(),
+        "a 15 s memory alarm never showed as the broker down"
+    );
     let during = sessions().await;
-    rabbitmqctl(&["set_vm_memory_high_watermark", "0.4"]).await;
+    alarm.clear().await;
     assert_eq!(
         before, during,
         "a relay session was ended by the server: a batch was held past the hold limit"

@@ -522,7 +522,11 @@ async fn the_notify_trigger_signals_its_channel_when_the_callers_path_overrides_
         vec![(channel, String::new())],
         "the insert's commit signals the outbox's channel, and only it"
     );
-    assert_eq!(outbox_ids(&db, &s).await.len(), 1, "the row is in the outbox");
+    assert_eq!(
+        outbox_ids(&db, &s).await.len(),
+        1,
+        "the row is in the outbox"
+    );
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }

@@ -100,7 +100,10 @@ pub trait Publisher: Send + Sync + 'static {
         a.destination == b.destination && a.routing_key == b.routing_key
     }
 
-    /// Checks that the broker can be reached, connecting if needed.
+    /// Checks that the broker can be reached and would take messages now,
+    /// connecting if needed. The relay's probe calls it every few seconds;
+    /// an error keeps the broker reported down (logs, `status`) between
+    /// batches.
     fn ready(&self) -> impl Future<Output = Result<(), PublishError>> + Send + '_;
 
     /// Called when a batch was given up mid-publish (it ran past its

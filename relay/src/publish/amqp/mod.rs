@@ -33,6 +33,9 @@ use crate::redact::redact_url;
 
 pub use crate::envelope::DEFAULT_EXCHANGE_ALIAS;
 
+/// Why nothing is sent on a connection the broker blocked.
+const BLOCKED: &str = "rabbitmq has blocked the connection (a memory or disk alarm)";
+
 /// How long a positive exchange check is trusted before it is made again.
 const EXCHANGE_CHECK_TTL: Duration = Duration::from_secs(30);
 
@@ -133,9 +136,7 @@ impl Publisher for AmqpPublisher {
         if connection.status().blocked() {
             // Anything sent now would sit in the socket until the alarm
             // clears; the rows wait in the outbox instead.
-            return Err(PublishError::msg(
-                "rabbitmq has blocked the connection (a memory or disk alarm)",
-            ));
+            return Err(PublishError::msg(BLOCKED));
         }
         let missing = self.missing_exchanges(&connection, batch).await?;
         let channel = self.take_channel(&connection).await?;
@@ -272,8 +273,15 @@ impl Publisher for AmqpPublisher {
             .collect())
     }
 
+    /// A connection the broker blocked (a memory or disk alarm) is up but
+    /// takes nothing: that is not ready, or the probe would report the
+    /// broker back between every two batches the alarm refuses.
     async fn ready(&self) -> Result<(), PublishError> {
-        self.connection().await.map(|_| ())
+        let connection = self.connection().await?;
+        if connection.status().blocked() {
+            return Err(PublishError::msg(BLOCKED));
+        }
+        Ok(())
     }
 
     /// A batch ran out of time. On a connection the broker blocked (resource
