@@ -217,11 +217,14 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     // The relay's sessions, by backend pid. A batch held past the hold limit
     // has its session ended by the server (idle_in_transaction_session_timeout)
     // and the relay reconnects under a new pid.
+    // Each as "pid started-at", so that a failure shows which session
+    // went, which came, and when.
     let sessions = || async {
-        let mut pids: Vec<i32> = db
+        let mut pids: Vec<String> = db
             .client
             .query(
-                "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
+                "SELECT pid::text || ' ' || backend_start::text \
+                 FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
                  AND datname = current_database()",
                 &[],
             )
