@@ -495,3 +495,38 @@ impl Drop for MemoryAlarm {
         }
     }
 }
+
+/// The broker's application stopped (`rabbitmqctl stop_app`): connections
+/// refused, the node up. Started again by [`BrokerStopped::start`], or on
+/// drop if a failed assertion got there first, so that one failing test
+/// does not leave every later one without a broker.
+pub struct BrokerStopped {
+    started: bool,
+}
+
+impl BrokerStopped {
+    /// Stops the broker's application.
+    pub async fn stop() -> BrokerStopped {
+        rabbitmqctl(&["stop_app"]).await;
+        BrokerStopped { started: false }
+    }
+
+    /// Starts it again and waits until it takes connections.
+    pub async fn start(mut self) {
+        rabbitmqctl(&["start_app"]).await;
+        rabbitmqctl(&["await_startup"]).await;
+        self.started = true;
+    }
+}
+
+impl Drop for BrokerStopped {
+    fn drop(&mut self) {
+        if !self.started {
+            for args in [["start_app"], ["await_startup"]] {
+                let _ = std::process::Command::new("rabbitmqctl")
+                    .args(args)
+                    .output();
+            }
+        }
+    }
+}

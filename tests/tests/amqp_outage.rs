@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_tests::amqp::{rabbitmqctl, Fixture, MemoryAlarm};
+use outbox_tests::amqp::{BrokerStopped, Fixture, MemoryAlarm};
 use outbox_tests::check::judge;
 use outbox_tests::db::TestDb;
 use outbox_tests::sink::Sink;
@@ -30,14 +30,13 @@ async fn broker_stopped_for_10s_then_everything_is_delivered() {
     let writers = workload::spawn(&db, spec);
     assert!(eventually(Duration::from_secs(60), || async { sink.count() > 200 }).await);
 
-    rabbitmqctl(&["stop_app"]).await;
+    let stopped = BrokerStopped::stop().await;
     let failures_before = relay
         .stats
         .counted(outbox_relay::health::Event::BatchFailed);
     tokio::time::sleep(Duration::from_secs(10)).await;
     let backlog_during_outage = db.pending().await;
-    rabbitmqctl(&["start_app"]).await;
-    rabbitmqctl(&["await_startup"]).await;
+    stopped.start().await;
 
     let written = writers.await.expect("writers");
     let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
@@ -105,7 +104,7 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
         .expect("enqueue");
     assert!(eventually(Duration::from_secs(60), || async { rabbit.count() >= 100 }).await);
 
-    rabbitmqctl(&["stop_app"]).await;
+    let stopped = BrokerStopped::stop().await;
     let cpu_before = relay.cpu_time().expect("relay running");
     let wall = std::time::Instant::now();
     let backlog: Vec<outbox_client::Message> = (0..2000)
@@ -139,8 +138,7 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
         .expect("counts");
     let (max_attempts, pending, dead, with_error): (i32, i64, i64, i64) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
-    rabbitmqctl(&["start_app"]).await;
-    rabbitmqctl(&["await_startup"]).await;
+    stopped.start().await;
 
     println!(
         "broker down {:?}: relay used {:?} of CPU ({:.1}% of one core); {pending} rows waited, \
