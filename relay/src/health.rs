@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::publish::PublishError;
 use crate::source;
@@ -22,8 +22,9 @@ pub struct Stats {
     postgres_lost: AtomicBool,
     /// Whether the ownership session is up (the replica can claim).
     owner_up: AtomicBool,
-    /// Since when the broker has been failing whole batches, and why.
-    broker_down: Mutex<Option<(SystemTime, String)>>,
+    /// Whether the broker is down, and which workers' latest batches it
+    /// failed.
+    broker: Mutex<Broker>,
     /// Messages the broker confirmed and the relay deleted.
     published: AtomicU64,
     /// Messages the broker rejected (each attempt counts).
@@ -38,6 +39,16 @@ pub struct Stats {
     /// Batches dropped unpublished because the relay stalled past its hold limit
     /// between claiming and publishing them.
     stale_batches: AtomicU64,
+}
+
+/// What the workers and the probe found of the broker.
+#[derive(Debug, Default)]
+struct Broker {
+    /// Since when it has been down, and the latest error.
+    down: Option<(SystemTime, String)>,
+    /// When it last failed a batch as a whole, unless a batch went through
+    /// since.
+    failed_batch_at: Option<Instant>,
 }
 
 /// Something that happened to messages or batches, for [`Stats::count`].
@@ -99,25 +110,54 @@ impl Stats {
         self.owner_up.load(Ordering::Relaxed)
     }
 
-    /// Records whether the broker answered the last batch.
-    pub(crate) fn note_broker(&self, error: Option<&PublishError>) {
-        // Workers and the probe all report here; the log gets one line when
-        // the broker goes away and one when it is back, whoever noticed.
-        let mut down = self.broker_down.lock().unwrap_or_else(|p| p.into_inner());
-        match (error, down.as_ref()) {
+    /// Records how the broker answered a batch: an error when it failed
+    /// the batch as a whole, None when it answered every message.
+    pub(crate) fn note_batch(&self, error: Option<&PublishError>) {
+        let mut broker = self.broker();
+        broker.failed_batch_at = error.map(|_| Instant::now());
+        Self::note_broker(&mut broker, error);
+    }
+
+    /// Records a broker probe's answer. A probe checks less than a batch (a
+    /// connection, metadata): a broker that answers it may still fail every
+    /// publish (a RabbitMQ resource alarm, a Kafka partition short of
+    /// in-sync replicas). So a probe can report the broker down at any
+    /// time, but back only when no batch has failed within `quiet`: longer
+    /// than a worker can take between two failed batches of one outage
+    /// (its backoff, then a batch that runs into its deadline). A batch
+    /// that goes through reports it back at once.
+    pub fn note_broker_probe(&self, error: Option<&PublishError>, quiet: Duration) {
+        let mut broker = self.broker();
+        let failing = broker
+            .failed_batch_at
+            .is_some_and(|at| at.elapsed() < quiet);
+        if error.is_some() || !failing {
+            Self::note_broker(&mut broker, error);
+        }
+    }
+
+    fn broker(&self) -> std::sync::MutexGuard<'_, Broker> {
+        self.broker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves the broker's state. Workers and the probe all report here; the
+    /// log gets one line when the broker goes away and one when it is back,
+    /// whoever noticed.
+    fn note_broker(broker: &mut Broker, error: Option<&PublishError>) {
+        match (error, broker.down.as_ref()) {
             (None, None) => {}
             (None, Some((since, _))) => {
                 let down_for = since.elapsed().unwrap_or_default();
                 tracing::info!(down_for = ?Duration::from_millis(down_for.as_millis() as u64), "broker reachable again");
-                *down = None;
+                broker.down = None;
             }
             (Some(e), None) => {
                 tracing::warn!(error = %e, "broker unreachable; messages wait in the outbox until it is back");
-                *down = Some((SystemTime::now(), e.to_string()));
+                broker.down = Some((SystemTime::now(), e.to_string()));
             }
             (Some(e), Some((since, _))) => {
                 tracing::debug!(error = %e, "broker still unreachable");
-                *down = Some((*since, e.to_string()));
+                broker.down = Some((*since, e.to_string()));
             }
         }
     }
@@ -160,17 +200,9 @@ impl Stats {
         None
     }
 
-    /// Records a broker probe's answer.
-    pub fn note_broker_probe(&self, error: Option<&PublishError>) {
-        self.note_broker(error);
-    }
-
     /// Since when the broker has been down, and the latest error.
     pub fn broker_down(&self) -> Option<(SystemTime, String)> {
-        self.broker_down
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.broker().down.clone()
     }
 }
 
@@ -185,5 +217,53 @@ impl source::ownership::ReplicaReport for Stats {
 
     fn set_owner_up(&self, up: bool) {
         self.owner_up.store(up, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QUIET: Duration = Duration::from_secs(3600);
+
+    fn refused() -> PublishError {
+        PublishError::msg("refused")
+    }
+
+    fn since(stats: &Stats) -> Option<SystemTime> {
+        stats.broker_down().map(|(since, _)| since)
+    }
+
+    #[test]
+    fn a_probe_that_succeeds_does_not_bring_back_a_broker_failing_batches() {
+        let stats = Stats::default();
+        stats.note_batch(Some(&refused()));
+        let down = since(&stats).expect("down after a failed batch");
+        stats.note_broker_probe(None, QUIET);
+        assert_eq!(since(&stats), Some(down), "a probe's yes is not a batch's");
+        stats.note_batch(Some(&refused()));
+        assert_eq!(since(&stats), Some(down), "down since the first failure");
+        stats.note_batch(None);
+        assert_eq!(since(&stats), None, "a batch that went through");
+    }
+
+    #[test]
+    fn a_probe_brings_back_what_a_probe_found_down() {
+        let stats = Stats::default();
+        stats.note_broker_probe(Some(&refused()), QUIET);
+        assert!(since(&stats).is_some());
+        stats.note_broker_probe(None, QUIET);
+        assert_eq!(since(&stats), None);
+    }
+
+    #[test]
+    fn a_probe_brings_the_broker_back_once_batches_have_been_quiet() {
+        let stats = Stats::default();
+        stats.note_batch(Some(&refused()));
+        // No batch since (the outbox went idle, or another replica took
+        // the rows): past `quiet`, the probe's yes is all there is.
+        std::thread::sleep(Duration::from_millis(20));
+        stats.note_broker_probe(None, Duration::from_millis(10));
+        assert_eq!(since(&stats), None);
     }
 }

@@ -233,3 +233,118 @@ async fn a_delivery_report_without_an_offset_is_not_a_confirmation() {
     publisher.close().await;
     consumer.stop().await;
 }
+
+/// A cluster that answers metadata but fails every produce, as one with too
+/// few in-sync replicas for `acks=all` does for as long as a broker is
+/// away: every batch fails while the broker probe, which asks for metadata,
+/// succeeds. The broker must stay reported down from the first failed batch
+/// until produces go through again, or `OutboxBrokerDown` (a minute of
+/// `outbox_connection_up{target="broker"}` at 0) can never fire; then every
+/// message arrives.
+#[tokio::test]
+async fn a_produce_outage_keeps_the_broker_reported_down_until_it_ends() {
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(3).expect("mock cluster");
+    let brokers = mock.bootstrap_servers();
+    let topic = outbox_tests::unique("outage");
+    mock.create_topic(&topic, 4, 3).expect("topic");
+    let consumer = Fixture::consume(&brokers, &topic, 4);
+    let db = TestDb::new().await;
+    // Records fail after 1.5 s of librdkafka's retries, so several batches
+    // fail, and several probes run, within the outage.
+    let relay = InProcessRelay::kafka(
+        &db,
+        &brokers,
+        &[("message.timeout.ms", "1500")],
+        fast_settings(),
+    );
+    let messages = |n: usize| -> Vec<outbox_client::Message> {
+        (0..n)
+            .map(|i| {
+                outbox_client::Message::builder(topic.as_str())
+                    .key(format!("k{}", i % 10))
+                    .json(&i)
+                    .build()
+                    .expect("valid")
+            })
+            .collect()
+    };
+    let mut ids = db
+        .outbox()
+        .enqueue_batch(&db.client, &messages(100))
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { consumer.count() >= 100 }).await,
+        "nothing flows"
+    );
+    assert!(
+        relay.stats.broker_down().is_none(),
+        "down before the outage"
+    );
+
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 100_000],
+    );
+    ids.extend(
+        db.outbox()
+            .enqueue_batch(&db.client, &messages(500))
+            .await
+            .expect("enqueue"),
+    );
+    let outage = std::time::Instant::now();
+    let mut first_down = None;
+    while outage.elapsed() < Duration::from_secs(12) {
+        let down = relay.stats.broker_down().map(|(since, _)| since);
+        match (first_down, down) {
+            (None, Some(since)) => first_down = Some(since),
+            (Some(first), now) => assert_eq!(
+                now,
+                Some(first),
+                "{:?} into the outage: the broker was reported back, or down anew",
+                outage.elapsed()
+            ),
+            (None, None) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        first_down.is_some(),
+        "12 s of failed produces never showed as the broker down"
+    );
+    mock.clear_request_errors(RDKafkaApiKey::Produce);
+
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "not drained after the outage"
+    );
+    let missing = || {
+        let seen: std::collections::HashSet<String> = consumer
+            .records()
+            .iter()
+            .filter_map(|r| r.headers.get("message-id").cloned())
+            .collect();
+        ids.iter()
+            .filter(|id| !seen.contains(&id.to_string()))
+            .map(|id| id.to_string())
+            .collect::<Vec<_>>()
+    };
+    // The consumer may still be reading what the relay has settled.
+    eventually(PATIENCE, || async { missing().is_empty() }).await;
+    let lost = missing();
+    assert!(
+        lost.is_empty(),
+        "{} of {} lost, first {:?}",
+        lost.len(),
+        ids.len(),
+        lost.first()
+    );
+    assert!(
+        eventually(PATIENCE, || async { relay.stats.broker_down().is_none() }).await,
+        "the broker was never reported back"
+    );
+    relay.stop().await;
+    consumer.stop().await;
+    db.cleanup().await;
+}

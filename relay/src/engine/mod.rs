@@ -191,9 +191,14 @@ impl<P: Publisher> Relay<P> {
             self.settings.reconnect_max,
             shutdown.clone(),
         ));
+        // The longest a worker goes between two failed batches of one
+        // outage: its broker backoff, then a batch that runs into its
+        // deadline at half the hold limit.
+        let quiet = self.settings.reconnect_max + self.settings.hold_limit / 2;
         tracker.spawn(probe_broker(
             Arc::clone(&self.publisher),
             Arc::clone(&self.stats),
+            quiet,
             shutdown.clone(),
         ));
         // Exported from the start, so a dashboard reads 0 rather than nothing.
@@ -351,20 +356,25 @@ fn payload_budget_kib(settings: &Settings) -> u32 {
 }
 
 /// Checks the broker every 2 s so readiness reflects an outage even while no
-/// batch is in flight to notice it.
+/// batch is in flight to notice it. Its yes counts once no batch has failed
+/// for `quiet` (see [`Stats::note_broker_probe`]).
 async fn probe_broker<P: Publisher>(
     publisher: Arc<P>,
     stats: Arc<Stats>,
+    quiet: Duration,
     shutdown: CancellationToken,
 ) {
     loop {
         let answer = tokio::time::timeout(Duration::from_secs(5), publisher.ready()).await;
         match answer {
-            Ok(Ok(())) => stats.note_broker_probe(None),
-            Ok(Err(e)) => stats.note_broker_probe(Some(&e)),
-            Err(_) => stats.note_broker_probe(Some(&crate::publish::PublishError::msg(
-                "broker did not answer a probe within 5s",
-            ))),
+            Ok(Ok(())) => stats.note_broker_probe(None, quiet),
+            Ok(Err(e)) => stats.note_broker_probe(Some(&e), quiet),
+            Err(_) => stats.note_broker_probe(
+                Some(&crate::publish::PublishError::msg(
+                    "broker did not answer a probe within 5s",
+                )),
+                quiet,
+            ),
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

@@ -172,7 +172,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     self.poll_or_stand_by(&mut idle, false, shutdown).await;
                 }
                 Some(Err(BatchError::Publish(e))) => {
-                    // Stats::note_broker logged the change of state.
+                    // Stats::note_batch logged the change of state.
                     tracing::debug!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
                     if sleep_or_cancel(broker.next_delay(), shutdown).await {
                         return Ok(());
@@ -415,7 +415,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // the relay's own bookkeeping.
         let answered = std::time::SystemTime::now();
         self.stats.add_in_flight(-(batch.len() as i64));
-        self.stats.note_broker(published.as_ref().err());
+        self.stats.note_batch(published.as_ref().err());
         let outcomes = match published {
             Ok(o) => o,
             Err(e) => {
