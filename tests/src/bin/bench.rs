@@ -950,6 +950,13 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
         "{:<10} {:<26} {:>10} {:>9} {:>9} {:>10} {:>12}",
         "backlog", "snapshot", "msgs/s", "vs 10k", "RSS MiB", "CPU s/10k", "claim"
     );
+    let run = BacklogRun {
+        args,
+        bin: &bin,
+        queue: &queue,
+        ch: &ch,
+        received: consumer.is_some().then_some(&*received),
+    };
     // (size, snapshot, rate, rate against its round's first drain), every round.
     let mut results: Vec<(usize, &str, f64, f64)> = Vec::new();
     for round in 1..=args.rounds {
@@ -968,136 +975,171 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
                 &[("none", false, true), ("pinned", true, true)]
             };
             for &(label, pinned, floor_on) in variants {
-                let db = TestDb::new().await;
-                outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
-                let pin = outbox_tests::db::connect(&db.config).await;
-                if pinned {
-                    pin.batch_execute(
-                        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
-                    )
+                let rate = run
+                    .drain(size, label, pinned, floor_on, &mut baseline)
                     .await?;
-                }
-                let fill = Args {
-                    messages: size,
-                    sizes: Vec::new(),
-                    broker: String::new(),
-                    ..*args
-                };
-                fill_outbox_to(&db, "amq.default", &queue, &fill).await?;
-                if args.checkpoint {
-                    // A backlog that built up over an outage has seen a
-                    // checkpoint since its rows were written (every
-                    // checkpoint_timeout), so deleting each heap page logs it
-                    // whole. A small backlog filled just before its drain
-                    // would not pay that; this makes every size pay it.
-                    db.client.batch_execute("CHECKPOINT").await?;
-                }
-                let mut env = Vec::new();
-                if !floor_on {
-                    env.push(("OUTBOX_CLAIM_FLOOR_RESCAN", "0s"));
-                }
-                let claim_halfway = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-                let note = std::sync::Arc::clone(&claim_halfway);
-                let (config, schema) = (db.config.clone(), db.schema.clone());
-                let drained = drain_process_with(&bin, &db, size, &queue, &ch, &env, || {
-                async move {
-                    if !pinned || size < 1_000_000 {
-                        return;
-                    }
-                    let text = async {
-                        let client = outbox_tests::db::connect(&config).await;
-                        let floor = outbox_tests::claim::floor(&client, &schema).await?;
-                        let (walk, _) = outbox_tests::claim::run_claim(&config, &schema, 0).await?;
-                        let (ms0, b0) = (walk.ms, walk.buffers);
-                        let (from, _) =
-                            outbox_tests::claim::run_claim(&config, &schema, floor).await?;
-                        let (ms, b) = (from.ms, from.buffers);
-                        anyhow::Ok(format!(
-                            "halfway through the pinned drain of {size}: the claim from seq 0 ran {ms0:.1} ms touching {b0} buffers; from the floor ({floor}) {ms:.1} ms, {b} buffers"
-                        ))
-                    }
-                    .await
-                    .unwrap_or_else(|e| format!("claim not measured: {e}"));
-                    *note.lock().expect("not poisoned") = text;
-                }
-            })
-            .await?;
-                let rate = drained.rate_after_start;
-                let base = *baseline.get_or_insert(rate);
-                results.push((size, label, rate, rate / base));
-                let claim = claim_halfway.lock().expect("not poisoned").clone();
-                println!(
-                    "{:<10} {:<26} {:>10.0} {:>9.2} {:>9.1} {:>10.2} {:>12}",
-                    size,
-                    label,
-                    rate,
-                    rate / base,
-                    drained.peak_rss_kib as f64 / 1024.0,
-                    drained.cpu.as_secs_f64() / size as f64 * 10_000.0,
-                    if claim.is_empty() { "-" } else { "below" }
-                );
-                if !claim.is_empty() {
-                    println!("  {claim}");
-                }
-                println!("  {}", drained.split.per_message(size));
-                println!("  {}", drained.writes);
-                if consumer.is_some() {
-                    // What it had not received when the drain ended was purged
-                    // (or, had it fallen 50,000 behind, dropped at the bound).
-                    let got = received.swap(0, std::sync::atomic::Ordering::Relaxed);
-                    if got < size as u64 {
-                        println!(
-                            "  the consumer received {got} of {size} before the queue was purged"
-                        );
-                    }
-                }
-                if pinned {
-                    pin.batch_execute("ROLLBACK").await?;
-                }
-                db.cleanup().await;
+                results.push((size, label, rate, rate / baseline.unwrap_or(rate)));
             }
         }
     }
     if args.rounds > 1 {
-        // Each round's ratios are to its own first drain, so a machine that
-        // slows between rounds moves the rates, not the ratios.
-        println!("medians over {} rounds", args.rounds);
-        println!(
-            "{:<10} {:<26} {:>10} {:>9}  ratios by round",
-            "backlog", "snapshot", "msgs/s", "vs first"
-        );
-        let mut seen: Vec<(usize, &str)> = Vec::new();
-        for &(size, label, _, _) in &results {
-            if seen.contains(&(size, label)) {
-                continue;
-            }
-            seen.push((size, label));
-            let of = |pick: fn(&(usize, &str, f64, f64)) -> f64| -> Vec<f64> {
-                results
-                    .iter()
-                    .filter(|r| r.0 == size && r.1 == label)
-                    .map(pick)
-                    .collect()
-            };
-            let ratios = of(|r| r.3);
-            println!(
-                "{:<10} {:<26} {:>10.0} {:>9.2}  {}",
-                size,
-                label,
-                outbox_tests::median(of(|r| r.2)),
-                outbox_tests::median(ratios.clone()),
-                ratios
-                    .iter()
-                    .map(|r| format!("{r:.2}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
+        print_medians(&results, args.rounds);
     }
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await?;
     let _ = conn.close(200, "bench done".into()).await;
     Ok(())
+}
+
+/// What every drain of `bench --broker backlog` shares.
+struct BacklogRun<'a> {
+    args: &'a Args,
+    bin: &'a std::path::Path,
+    queue: &'a str,
+    ch: &'a lapin::Channel,
+    /// Messages the queue's consumer received, when one runs.
+    received: Option<&'a std::sync::atomic::AtomicU64>,
+}
+
+impl BacklogRun<'_> {
+    /// Fills a new outbox with `size` rows and drains it with a relay
+    /// process, with a snapshot held open (`pinned`) or not and the claim
+    /// floor on or off; prints the drain's line against `baseline` (set to
+    /// this rate when it is the round's first) and returns its rate.
+    async fn drain(
+        &self,
+        size: usize,
+        label: &str,
+        pinned: bool,
+        floor_on: bool,
+        baseline: &mut Option<f64>,
+    ) -> anyhow::Result<f64> {
+        let db = TestDb::new().await;
+        outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
+        let pin = outbox_tests::db::connect(&db.config).await;
+        if pinned {
+            pin.batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
+            )
+            .await?;
+        }
+        let fill = Args {
+            messages: size,
+            sizes: Vec::new(),
+            broker: String::new(),
+            ..*self.args
+        };
+        fill_outbox_to(&db, "amq.default", self.queue, &fill).await?;
+        if self.args.checkpoint {
+            // A backlog that built up over an outage has seen a checkpoint
+            // since its rows were written (every checkpoint_timeout), so
+            // deleting each heap page logs it whole. A small backlog filled
+            // just before its drain would not pay that; this makes every
+            // size pay it.
+            db.client.batch_execute("CHECKPOINT").await?;
+        }
+        let mut env = Vec::new();
+        if !floor_on {
+            env.push(("OUTBOX_CLAIM_FLOOR_RESCAN", "0s"));
+        }
+        let claim_halfway = std::sync::Mutex::new(String::new());
+        let drained =
+            drain_process_with(self.bin, &db, size, self.queue, self.ch, &env, || async {
+                if pinned && size >= 1_000_000 {
+                    *claim_halfway.lock().expect("not poisoned") =
+                        claim_below_floor(&db, size).await;
+                }
+            })
+            .await?;
+        let rate = drained.rate_after_start;
+        let base = *baseline.get_or_insert(rate);
+        let claim = claim_halfway.into_inner().expect("not poisoned");
+        println!(
+            "{:<10} {:<26} {:>10.0} {:>9.2} {:>9.1} {:>10.2} {:>12}",
+            size,
+            label,
+            rate,
+            rate / base,
+            drained.peak_rss_kib as f64 / 1024.0,
+            drained.cpu.as_secs_f64() / size as f64 * 10_000.0,
+            if claim.is_empty() { "-" } else { "below" }
+        );
+        if !claim.is_empty() {
+            println!("  {claim}");
+        }
+        println!("  {}", drained.split.per_message(size));
+        println!("  {}", drained.writes);
+        if let Some(received) = self.received {
+            // What it had not received when the drain ended was purged (or,
+            // had it fallen 50,000 behind, dropped at the bound).
+            let got = received.swap(0, std::sync::atomic::Ordering::Relaxed);
+            if got < size as u64 {
+                println!("  the consumer received {got} of {size} before the queue was purged");
+            }
+        }
+        if pinned {
+            pin.batch_execute("ROLLBACK").await?;
+        }
+        db.cleanup().await;
+        Ok(rate)
+    }
+}
+
+/// The claim's cost halfway through a pinned drain of `size`: from seq 0
+/// and from the claim floor, in time and buffers touched.
+async fn claim_below_floor(db: &TestDb, size: usize) -> String {
+    let (config, schema) = (&db.config, &db.schema);
+    async {
+        let client = outbox_tests::db::connect(config).await;
+        let floor = outbox_tests::claim::floor(&client, schema).await?;
+        let (walk, _) = outbox_tests::claim::run_claim(config, schema, 0).await?;
+        let (from, _) = outbox_tests::claim::run_claim(config, schema, floor).await?;
+        anyhow::Ok(format!(
+            "halfway through the pinned drain of {size}: the claim from seq 0 ran {:.1} ms touching {} buffers; from the floor ({floor}) {:.1} ms, {} buffers",
+            walk.ms, walk.buffers, from.ms, from.buffers
+        ))
+    }
+    .await
+    .unwrap_or_else(|e| format!("claim not measured: {e}"))
+}
+
+/// The medians over the rounds of each size and snapshot: its rate and its
+/// ratio to its round's first drain, with every round's ratio.
+fn print_medians(results: &[(usize, &str, f64, f64)], rounds: usize) {
+    // Each round's ratios are to its own first drain, so a machine that
+    // slows between rounds moves the rates, not the ratios.
+    println!("medians over {rounds} rounds");
+    println!(
+        "{:<10} {:<26} {:>10} {:>9}  ratios by round",
+        "backlog", "snapshot", "msgs/s", "vs first"
+    );
+    let mut seen: Vec<(usize, &str)> = Vec::new();
+    for &(size, label, _, _) in results {
+        if seen.contains(&(size, label)) {
+            continue;
+        }
+        seen.push((size, label));
+        let of = |pick: fn(&(usize, &str, f64, f64)) -> f64| -> Vec<f64> {
+            results
+                .iter()
+                .filter(|r| r.0 == size && r.1 == label)
+                .map(pick)
+                .collect()
+        };
+        let ratios = of(|r| r.3);
+        println!(
+            "{:<10} {:<26} {:>10.0} {:>9.2}  {}",
+            size,
+            label,
+            outbox_tests::median(of(|r| r.2)),
+            outbox_tests::median(ratios.clone()),
+            ratios
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
 }
 
 /// Peak RSS of the relay process per payload size, against the same process
