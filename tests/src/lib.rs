@@ -212,6 +212,34 @@ impl InProcessRelay {
             .expect("the relay was started with another publisher type")
     }
 
+    /// Samples, every 100 ms for `outage`, whether the relay reports the
+    /// broker down, and panics if, once down, it is reported back or down
+    /// anew (a new down-since) before `outage` ends: an operator's "down
+    /// for more than N minutes" must be able to fire. Panics too if it was
+    /// never reported down.
+    pub async fn assert_broker_stays_down(&self, outage: std::time::Duration) {
+        let started = std::time::Instant::now();
+        let mut first_down = None;
+        while started.elapsed() < outage {
+            let down = self.stats.broker_down().map(|(since, _)| since);
+            match (first_down, down) {
+                (None, Some(since)) => first_down = Some(since),
+                (Some(first), now) => assert_eq!(
+                    now,
+                    Some(first),
+                    "{:?} into the outage: the broker was reported back, or down anew",
+                    started.elapsed()
+                ),
+                (None, None) => {}
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert!(
+            first_down.is_some(),
+            "an outage of {outage:?} never showed as the broker down"
+        );
+    }
+
     /// Requests shutdown and waits for a clean stop.
     pub async fn stop(self) {
         self.shutdown.cancel();
