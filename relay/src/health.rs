@@ -22,8 +22,7 @@ pub struct Stats {
     postgres_lost: AtomicBool,
     /// Whether the ownership session is up (the replica can claim).
     owner_up: AtomicBool,
-    /// Whether the broker is down, and which workers' latest batches it
-    /// failed.
+    /// Whether the broker is down, and when it last failed a batch.
     broker: Mutex<Broker>,
     /// Messages the broker confirmed and the relay deleted.
     published: AtomicU64,
