@@ -187,8 +187,8 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
 /// connection is blocked must not be sent at all, and once the alarm clears
 /// everything arrives with duplicates within one set of in-flight batches.
 /// All the while the broker shows as down, from the first batch that found
-/// it blocked. Before the per-batch deadline a batch waited on the confirm timeout alone,
-/// which nothing tied to the hold limit.
+/// it blocked. Before the per-batch deadline a batch waited on the confirm
+/// timeout alone, which nothing tied to the hold limit.
 #[tokio::test]
 async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     let _broker = BROKER.lock().await;
@@ -214,9 +214,8 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     assert!(eventually(Duration::from_secs(60), || async { sink.count() > 300 }).await);
     // The relay's sessions, by backend pid. A batch held past the hold limit
     // has its session ended by the server (idle_in_transaction_session_timeout)
-    // and the relay reconnects under a new pid.
-    // Each as "pid started-at", so that a failure shows which session
-    // went, which came, and when.
+    // and the relay reconnects under a new pid. Each as "pid started-at",
+    // so that a failure shows which session went, which came, and when.
     let sessions = || async {
         let mut pids: Vec<String> = db
             .client
