@@ -263,3 +263,49 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     sink.cleanup().await;
     db.cleanup().await;
 }
+
+/// A relay that starts while RabbitMQ is already in a memory alarm: its
+/// first connection is not known to be blocked until it publishes, so its
+/// first batches go out and wait. They must end at their deadline like any
+/// other, the broker must show as down for the rest of the alarm, and once
+/// the alarm clears everything arrives, with duplicates within one set of
+/// in-flight batches.
+#[tokio::test]
+async fn a_relay_started_during_a_memory_alarm_waits_it_out_and_loses_nothing() {
+    let _broker = BROKER.lock().await;
+    outbox_tests::init_logging();
+    let started = std::time::Instant::now();
+    let db = TestDb::new().await;
+    let sink = Sink::amqp().await;
+    let settings = outbox_relay::Settings {
+        batch_size: 100,
+        pipeline: 3,
+        hold_limit: Duration::from_secs(6),
+        ..fast_settings()
+    };
+    let bound = settings.batch_size as usize * (settings.pipeline + 1);
+    let alarm = MemoryAlarm::raise().await;
+    let spec = Spec {
+        max_commit_delay: Duration::from_millis(20),
+        ..Spec::new(sink.destination(), 4, 40, 2_000)
+    };
+    let writers = workload::spawn(&db, spec);
+    let relay = InProcessRelay::amqp(&db, settings);
+    // Longer than a batch deadline (3 s) and several probes (every 2 s).
+    relay
+        .assert_broker_stays_down(Duration::from_secs(10))
+        .await;
+    alarm.clear().await;
+    let written = writers.await.expect("writers");
+    let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
+    judge(
+        env!("CARGO_TARGET_TMPDIR"),
+        "amqp: relay started in a memory alarm",
+        &report,
+        started,
+        Some(bound),
+    );
+    relay.stop().await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
