@@ -331,3 +331,69 @@ async fn a_produce_outage_keeps_the_broker_reported_down_until_it_ends() {
     consumer.stop().await;
     db.cleanup().await;
 }
+
+/// One partition without a leader for 10 s (a real cluster has a partition
+/// offline while all its replicas are away), the other three fine. Records
+/// of the healthy partitions come back with their offsets. They must be
+/// settled, not published again with every retry of the batches they shared
+/// with the offline partition: duplicates stay within one set of in-flight
+/// batches, and nothing is lost.
+#[tokio::test]
+async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches() {
+    let started = std::time::Instant::now();
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(3).expect("mock cluster");
+    let brokers = mock.bootstrap_servers();
+    let topic = outbox_tests::unique("offline");
+    mock.create_topic(&topic, 4, 3).expect("topic");
+    let consumer = Fixture::consume(&brokers, &topic, 4);
+    let db = TestDb::new().await;
+    // Batches of 100: the bound is 400 duplicates, and a retry of every
+    // failed batch would pass it several times over in 10 s.
+    let settings = outbox_relay::Settings {
+        batch_size: 100,
+        ..fast_settings()
+    };
+    let bound = settings.batch_size as usize * (settings.pipeline + 1);
+    let relay = InProcessRelay::kafka(&db, &brokers, &[("message.timeout.ms", "1500")], settings);
+    let spec = Spec {
+        max_commit_delay: Duration::from_millis(20),
+        ..Spec::new(&topic, 4, 40, 4_000)
+    };
+    let writers = workload::spawn(&db, spec);
+    assert!(
+        eventually(PATIENCE, || async { consumer.count() > 200 }).await,
+        "nothing flows"
+    );
+    // Partition 0 led by broker 1, the others by brokers 2 and 3; then
+    // broker 1 goes away, and partition 0 with it (the mock elects no new
+    // leader).
+    for (partition, broker) in [(0, 1), (1, 2), (2, 3), (3, 2)] {
+        mock.partition_leader(&topic, partition, Some(broker))
+            .expect("leader");
+    }
+    mock.broker_down(1).expect("broker 1 down");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    mock.broker_up(1).expect("broker 1 up");
+    let written = writers.await.expect("writers");
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "not drained"
+    );
+    eventually(PATIENCE, || async {
+        all_seen(&written, &seen_kafka(&consumer.records()))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = check(&written, &seen_kafka(&consumer.records()));
+    outbox_tests::check::judge(
+        TMP,
+        "kafka mock: one partition offline 10s",
+        &report,
+        started,
+        Some(bound),
+    );
+    relay.stop().await;
+    consumer.stop().await;
+    db.cleanup().await;
+}

@@ -18,6 +18,9 @@ pub(super) struct SettlePlan<'a> {
     pub(super) failed: Vec<(i64, String, Duration)>,
     pub(super) dead: Vec<(i64, String)>,
     pub(super) held: usize,
+    /// Rows the broker left unanswered while it confirmed others: set
+    /// aside for a short while, no attempt counted.
+    pub(super) unanswered: Vec<i64>,
 }
 
 /// Which wave each message of `batch` goes out in. A key's messages stay in one
@@ -91,7 +94,7 @@ pub(super) async fn publish_in_waves<P: Publisher>(
 }
 
 /// Confirmed rows are deleted, rejected ones get an attempt recorded and a
-/// backoff. Once a row of a key is rejected, the key's later rows are left as
+/// backoff, unanswered ones are set aside without an attempt. Once a row of a key is rejected, the key's later rows are left as
 /// they are: unsent ones (`None`) wait, and confirmed ones — possible only if the
 /// broker refused one message of a lane and accepted the next — are not deleted
 /// either, so they are published again after the refused one.
@@ -116,7 +119,9 @@ pub(super) fn settle_plan<'a>(
         match outcome {
             Ok(receipt) => plan.published.push((env, *receipt)),
             Err(rejection) => {
-                if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
+                if rejection.unanswered {
+                    plan.unanswered.push(env.seq);
+                } else if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
                     plan.dead.push((env.seq, rejection.reason.clone()));
                 } else {
                     let attempt = u32::try_from(env.attempts).unwrap_or(0);
@@ -198,6 +203,36 @@ mod tests {
         let plan = settle_plan(&batch, &outcomes, &Settings::default());
         assert_eq!(seqs(&plan.published), vec![3]);
         assert_eq!(plan.held, 1);
+    }
+
+    #[test]
+    fn unanswered_rows_wait_without_an_attempt_and_hold_back_their_key() {
+        // A row on its last attempt: a refusal would dead-letter it, an
+        // unanswered send must not.
+        let last = Envelope {
+            attempts: Settings::default().max_attempts - 1,
+            ..env(1, Some("a"))
+        };
+        let batch = vec![last, env(2, Some("b")), env(3, Some("a")), env(4, None)];
+        let outcomes: Vec<Option<Verdict>> = vec![
+            Err(Rejection::unanswered("partition offline")),
+            Ok(Receipt::Memory),
+            Ok(Receipt::Memory),
+            Err(Rejection::unanswered("partition offline")),
+        ]
+        .into_iter()
+        .map(Some)
+        .collect();
+        let plan = settle_plan(&batch, &outcomes, &Settings::default());
+        assert_eq!(
+            seqs(&plan.published),
+            vec![2],
+            "b's confirmed row is settled"
+        );
+        assert_eq!(plan.unanswered, vec![1, 4]);
+        assert_eq!(plan.held, 1, "a's later row waits behind its head");
+        assert!(plan.failed.is_empty(), "no attempt counted: {plan:?}");
+        assert!(plan.dead.is_empty(), "never dead-lettered: {plan:?}");
     }
 
     #[test]

@@ -415,10 +415,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // the relay's own bookkeeping.
         let answered = std::time::SystemTime::now();
         self.stats.add_in_flight(-(batch.len() as i64));
-        self.stats.note_batch(published.as_ref().err());
         let outcomes = match published {
             Ok(o) => o,
             Err(e) => {
+                self.stats.note_batch(Some(&e));
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
                 self.stats.count(Event::BatchFailed, 1);
                 metrics::counter!(crate::metrics::BATCH_FAILURES).increment(1);
@@ -436,6 +436,23 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         hooks::after_ack();
         drop(slot);
         let plan = settle_plan(&batch, &outcomes, &self.settings);
+        // The broker answered, if not for every row.
+        self.stats.note_batch(None);
+        // Rows it left unanswered while it confirmed the rest (a Kafka
+        // partition without a leader) wait `retry_base` before a claim
+        // takes them again, their keys behind them, with the failure as
+        // their last error. No attempt is counted: it is an outage of part
+        // of the broker, not a refusal, and the rest of the outbox flows.
+        let unanswered = outcomes.iter().find_map(|o| match o {
+            Some(Err(r)) if r.unanswered => Some(r.reason.as_str()),
+            _ => None,
+        });
+        let mut holds = holds;
+        if let Some(reason) = unanswered {
+            tx.note_batch_error(&plan.unanswered, reason).await?;
+            let retry_at = std::time::SystemTime::now() + self.settings.retry_base;
+            holds.extend(plan.unanswered.iter().map(|&seq| (seq, retry_at)));
+        }
         tx.settle_and_commit(Settle {
             published: &plan.published,
             failed: &plan.failed,

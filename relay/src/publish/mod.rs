@@ -22,6 +22,11 @@ pub struct Rejection {
     pub reason: String,
     /// True when retrying the same message can never succeed (e.g. too large).
     pub permanent: bool,
+    /// True when the broker said nothing about the message itself: it went
+    /// unanswered (a partition without a leader, a request that timed out)
+    /// while others of its batch were confirmed. Like a batch lost to an
+    /// outage, it is sent again without counting an attempt.
+    pub unanswered: bool,
 }
 
 impl Rejection {
@@ -30,6 +35,7 @@ impl Rejection {
         Rejection {
             reason: reason.into(),
             permanent: false,
+            unanswered: false,
         }
     }
 
@@ -38,6 +44,17 @@ impl Rejection {
         Rejection {
             reason: reason.into(),
             permanent: true,
+            unanswered: false,
+        }
+    }
+
+    /// A message the broker left unanswered while it answered others of
+    /// the batch: sent again shortly, no attempt counted.
+    pub fn unanswered(reason: impl Into<String>) -> Self {
+        Rejection {
+            reason: reason.into(),
+            permanent: false,
+            unanswered: true,
         }
     }
 }

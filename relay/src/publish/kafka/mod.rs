@@ -155,6 +155,8 @@ impl Publisher for KafkaPublisher {
             }
         }
         let mut batch_error = None;
+        // Records that failed with an error not of their own, by index.
+        let mut unanswered = Vec::new();
         let mut without_offset = 0usize;
         for (i, report) in join_all(pending).await {
             outcomes[i] = Some(match report {
@@ -174,18 +176,33 @@ impl Publisher for KafkaPublisher {
                     Some(r) => Err(r),
                     None => {
                         batch_error.get_or_insert(e);
+                        unanswered.push(i);
                         continue;
                     }
                 },
                 Err(_canceled) => {
                     batch_error.get_or_insert(KafkaError::Canceled);
+                    unanswered.push(i);
                     continue;
                 }
             });
         }
         if let Some(e) = batch_error {
             self.recover_if_stuck(&producer, Some(&e));
-            return Err(PublishError::new("kafka: delivery failed", e));
+            // Records the broker confirmed with an offset are in the log:
+            // publishing them again with the rest, at every retry of a
+            // partition that stays offline, would repeat them without
+            // bound. So when some were confirmed, only the unanswered ones
+            // go again (their keys wait for them); when none was, the
+            // whole batch failed as in any outage.
+            let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(_))));
+            if !confirmed || without_offset > 0 {
+                return Err(PublishError::new("kafka: delivery failed", e));
+            }
+            let reason = format!("kafka: delivery failed: {e}");
+            for i in unanswered {
+                outcomes[i] = Some(Err(Rejection::unanswered(reason.clone())));
+            }
         }
         if without_offset > 0 {
             // The whole batch goes again, as for any uncertain failure: the
