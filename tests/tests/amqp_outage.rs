@@ -179,6 +179,20 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
     db.cleanup().await;
 }
 
+/// Batches of 100, three at the broker at once, and a 6 s hold limit: a
+/// blocked batch ends at its 3 s deadline, well before the 10 s confirm
+/// timeout. Returned with the duplicate bound: one set of in-flight batches.
+fn alarm_settings() -> (outbox_relay::Settings, usize) {
+    let settings = outbox_relay::Settings {
+        batch_size: 100,
+        pipeline: 3,
+        hold_limit: Duration::from_secs(6),
+        ..fast_settings()
+    };
+    let bound = settings.batch_size as usize * (settings.pipeline + 1);
+    (settings, bound)
+}
+
 /// A memory alarm raised while batches are in flight: RabbitMQ blocks every
 /// publishing connection and stops reading from it, so confirms never come
 /// and `basic_publish` can wait with them. Each batch must still end within
@@ -196,15 +210,8 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     let started = std::time::Instant::now();
     let db = TestDb::new().await;
     let sink = Sink::amqp().await;
-    let settings = outbox_relay::Settings {
-        batch_size: 100,
-        pipeline: 3,
-        hold_limit: Duration::from_secs(6),
-        ..fast_settings()
-    };
-    let bound = settings.batch_size as usize * (settings.pipeline + 1);
-    // The confirm timeout (10 s) is longer than the batch deadline (3 s):
-    // only the deadline can end a blocked batch in time.
+    // Only the batch deadline can end a blocked batch in time.
+    let (settings, bound) = alarm_settings();
     let relay = InProcessRelay::amqp(&db, settings);
     let spec = Spec {
         max_commit_delay: Duration::from_millis(20),
@@ -277,13 +284,7 @@ async fn a_relay_started_during_a_memory_alarm_waits_it_out_and_loses_nothing() 
     let started = std::time::Instant::now();
     let db = TestDb::new().await;
     let sink = Sink::amqp().await;
-    let settings = outbox_relay::Settings {
-        batch_size: 100,
-        pipeline: 3,
-        hold_limit: Duration::from_secs(6),
-        ..fast_settings()
-    };
-    let bound = settings.batch_size as usize * (settings.pipeline + 1);
+    let (settings, bound) = alarm_settings();
     let alarm = MemoryAlarm::raise().await;
     let spec = Spec {
         max_commit_delay: Duration::from_millis(20),

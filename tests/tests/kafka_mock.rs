@@ -9,7 +9,7 @@ use outbox_relay::publish::{Envelope, Publisher, Receipt};
 use outbox_tests::check::{all_seen, check};
 use outbox_tests::db::TestDb;
 use outbox_tests::kafka::Fixture;
-use outbox_tests::workload::{self, Spec};
+use outbox_tests::workload::{self, Spec, Written};
 use outbox_tests::{eventually, fast_settings, seen_kafka, InProcessRelay};
 use rdkafka::mocking::MockCluster;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
@@ -47,17 +47,7 @@ where
     );
     fault(&mock).await;
     let written = writers.await.expect("writers");
-    assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "{name}: not drained"
-    );
-    // A shortfall is judged by the checker below, which names what is lost.
-    eventually(PATIENCE, || async {
-        all_seen(&written, &seen_kafka(&consumer.records()))
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let report = check(&written, &seen_kafka(&consumer.records()));
+    let report = drained_report(name, &db, &written, &consumer).await;
     outbox_tests::check::record(
         TMP,
         &format!("kafka mock: {name}"),
@@ -73,6 +63,27 @@ where
     relay.stop().await;
     consumer.stop().await;
     db.cleanup().await;
+}
+
+/// Waits until `db`'s outbox is drained and `consumer` has seen all that
+/// was `written` (each within `PATIENCE`), then checks what it saw. A
+/// shortfall is left to the report, which names what is lost.
+async fn drained_report(
+    name: &str,
+    db: &TestDb,
+    written: &Written,
+    consumer: &Fixture,
+) -> outbox_tests::check::Report {
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "{name}: not drained"
+    );
+    eventually(PATIENCE, || async {
+        all_seen(written, &seen_kafka(&consumer.records()))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    check(written, &seen_kafka(&consumer.records()))
 }
 
 async fn produce_errors(name: &str, err: RDKafkaRespErr) {
@@ -376,16 +387,7 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
     tokio::time::sleep(Duration::from_secs(10)).await;
     mock.broker_up(1).expect("broker 1 up");
     let written = writers.await.expect("writers");
-    assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "not drained"
-    );
-    eventually(PATIENCE, || async {
-        all_seen(&written, &seen_kafka(&consumer.records()))
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let report = check(&written, &seen_kafka(&consumer.records()));
+    let report = drained_report("one partition offline", &db, &written, &consumer).await;
     outbox_tests::check::judge(
         TMP,
         "kafka mock: one partition offline 10s",
