@@ -22,6 +22,14 @@ pub async fn connect(config: &Config) -> Client {
     client
 }
 
+/// DDL for [`TestDb::create_decoy`]: an `=` for text in the decoy schema
+/// that never finds two values equal, for a caller's path to find before
+/// pg_catalog's.
+pub const NEVER_EQUAL_TEXT: &str = "CREATE FUNCTION {decoy}.never_equal(text, text) \
+     RETURNS boolean LANGUAGE sql AS $$ SELECT false $$; \
+     CREATE OPERATOR {decoy}.= (LEFTARG = text, RIGHTARG = text, \
+     FUNCTION = {decoy}.never_equal)";
+
 impl TestDb {
     /// The server's `host:port`, for a proxy to forward to.
     pub fn address(&self) -> String {
@@ -111,6 +119,22 @@ impl TestDb {
             .await
             .expect("decoy schema");
         decoy
+    }
+
+    /// Sets this connection's `search_path` to `path`.
+    pub async fn set_path(&self, path: &str) {
+        self.client
+            .batch_execute(&format!("SET search_path = {path}"))
+            .await
+            .unwrap_or_else(|e| panic!("set search_path = {path}: {e}"));
+    }
+
+    /// Puts this connection's `search_path` back to the server's default.
+    pub async fn reset_path(&self) {
+        self.client
+            .batch_execute("RESET search_path")
+            .await
+            .expect("reset search_path");
     }
 
     /// Asserts that nothing was written into `table` of the `decoy` schema,

@@ -1,7 +1,7 @@
 //! outbox-client against a real Postgres: transactions, batching, bad input.
 
 use outbox_client::{Error, Message, MessageId, Outbox};
-use outbox_tests::db::TestDb;
+use outbox_tests::db::{TestDb, NEVER_EQUAL_TEXT};
 
 fn msg(dest: &str) -> Message {
     Message::builder(dest)
@@ -274,10 +274,7 @@ async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() 
         .await;
     let mut ids = Vec::new();
     for path in [decoy.clone(), "''".to_owned()] {
-        db.client
-            .batch_execute(&format!("SET search_path = {path}"))
-            .await
-            .expect("set path");
+        db.set_path(&path).await;
         let id: uuid::Uuid = db
             .client
             .query_one(
@@ -299,10 +296,7 @@ async fn the_sql_enqueue_writes_into_its_own_schema_whatever_the_callers_path() 
             "search_path {path}: {refused}"
         );
     }
-    db.client
-        .batch_execute("RESET search_path")
-        .await
-        .expect("reset");
+    db.reset_path().await;
     assert_eq!(
         outbox_ids(&db, &s).await,
         ids,
@@ -330,16 +324,10 @@ async fn the_sql_enqueue_checks_with_the_builtins_when_the_callers_path_override
                LANGUAGE sql AS $$ SELECT 'x'::pg_catalog.text $$; \
              CREATE FUNCTION {{decoy}}.jsonb_typeof(jsonb) RETURNS text \
                LANGUAGE sql AS $$ SELECT 'object'::pg_catalog.text $$; \
-             CREATE FUNCTION {{decoy}}.never_equal(text, text) RETURNS boolean \
-               LANGUAGE sql AS $$ SELECT false $$; \
-             CREATE OPERATOR {{decoy}}.= (LEFTARG = text, RIGHTARG = text, \
-               FUNCTION = {{decoy}}.never_equal)"
+             {NEVER_EQUAL_TEXT}"
         ))
         .await;
-    db.client
-        .batch_execute(&format!("SET search_path = {decoy}, pg_catalog"))
-        .await
-        .expect("set path");
+    db.set_path(&format!("{decoy}, pg_catalog")).await;
     let refusals = [
         (
             "'d', '\\x0102030405'::bytea, max_payload_bytes => 4",
@@ -377,10 +365,7 @@ async fn the_sql_enqueue_checks_with_the_builtins_when_the_callers_path_override
         .await
         .expect("a valid call is taken")
         .get(0);
-    db.client
-        .batch_execute("RESET search_path")
-        .await
-        .expect("reset");
+    db.reset_path().await;
     assert_eq!(
         outbox_ids(&db, &s).await,
         vec![id],
@@ -414,10 +399,7 @@ async fn message_ids_stay_time_ordered_uuids_when_the_callers_path_overrides_bui
             .as_millis() as u64
     };
     let from = unix_ms();
-    db.client
-        .batch_execute(&format!("SET search_path = {decoy}, pg_catalog"))
-        .await
-        .expect("set path");
+    db.set_path(&format!("{decoy}, pg_catalog")).await;
     let mut ids: Vec<uuid::Uuid> = Vec::new();
     for statement in [
         format!("INSERT INTO {s}.messages (destination, payload) VALUES ('d', 'p'::bytea) RETURNING message_id"),
@@ -433,10 +415,7 @@ async fn message_ids_stay_time_ordered_uuids_when_the_callers_path_overrides_bui
             .get(0);
         ids.push(id);
     }
-    db.client
-        .batch_execute("RESET search_path")
-        .await
-        .expect("reset");
+    db.reset_path().await;
     let to = unix_ms();
     for id in &ids {
         assert_eq!(id.get_version_num(), 7, "{id} is a UUIDv7");

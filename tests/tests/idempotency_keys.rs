@@ -9,7 +9,7 @@ use outbox_client::idempotency::{
     Begin, Fingerprint, Idempotency, IdempotencyKey, Reply, RunError, StoredResponse,
     WhenInProgress,
 };
-use outbox_tests::db::{connect, TestDb};
+use outbox_tests::db::{connect, TestDb, NEVER_EQUAL_TEXT};
 use outbox_tests::idempotency::SCOPE;
 
 /// Ceiling on any wait; a healthy run needs a small fraction of it.
@@ -256,10 +256,7 @@ async fn commit_without_a_stored_response_is_refused_whatever_the_callers_path()
         .create_decoy(&format!(
             "CREATE TABLE {{decoy}}.idempotency_keys \
                (LIKE {s}.idempotency_keys INCLUDING DEFAULTS); \
-             CREATE FUNCTION {{decoy}}.never_equal(text, text) RETURNS boolean \
-               LANGUAGE sql AS $$ SELECT false $$; \
-             CREATE OPERATOR {{decoy}}.= (LEFTARG = text, RIGHTARG = text, \
-               FUNCTION = {{decoy}}.never_equal)"
+             {NEVER_EQUAL_TEXT}"
         ))
         .await;
     let refused = db

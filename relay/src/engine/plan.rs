@@ -18,9 +18,9 @@ pub(super) struct SettlePlan<'a> {
     pub(super) failed: Vec<(i64, String, Duration)>,
     pub(super) dead: Vec<(i64, String)>,
     pub(super) held: usize,
-    /// Rows the broker left unanswered while it confirmed others: set
-    /// aside for a short while, no attempt counted.
-    pub(super) unanswered: Vec<i64>,
+    /// Rows the broker left unanswered while it confirmed others, and why:
+    /// set aside for a short while, no attempt counted.
+    pub(super) unanswered: Vec<(i64, String)>,
 }
 
 /// Which wave each message of `batch` goes out in. A key's messages stay in one
@@ -120,7 +120,7 @@ pub(super) fn settle_plan<'a>(
             Ok(receipt) => plan.published.push((env, *receipt)),
             Err(rejection) => {
                 if rejection.unanswered {
-                    plan.unanswered.push(env.seq);
+                    plan.unanswered.push((env.seq, rejection.reason.clone()));
                 } else if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
                     plan.dead.push((env.seq, rejection.reason.clone()));
                 } else {
@@ -229,7 +229,8 @@ mod tests {
             vec![2],
             "b's confirmed row is settled"
         );
-        assert_eq!(plan.unanswered, vec![1, 4]);
+        let unanswered: Vec<i64> = plan.unanswered.iter().map(|u| u.0).collect();
+        assert_eq!(unanswered, vec![1, 4]);
         assert_eq!(plan.held, 1, "a's later row waits behind its head");
         assert!(plan.failed.is_empty(), "no attempt counted: {plan:?}");
         assert!(plan.dead.is_empty(), "never dead-lettered: {plan:?}");

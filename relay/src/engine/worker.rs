@@ -443,15 +443,12 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // takes them again, their keys behind them, with the failure as
         // their last error. No attempt is counted: it is an outage of part
         // of the broker, not a refusal, and the rest of the outbox flows.
-        let unanswered = outcomes.iter().find_map(|o| match o {
-            Some(Err(r)) if r.unanswered => Some(r.reason.as_str()),
-            _ => None,
-        });
         let mut holds = holds;
-        if let Some(reason) = unanswered {
-            tx.note_batch_error(&plan.unanswered, reason).await?;
+        if let Some((_, reason)) = plan.unanswered.first() {
+            let seqs: Vec<i64> = plan.unanswered.iter().map(|u| u.0).collect();
+            tx.note_batch_error(&seqs, reason).await?;
             let retry_at = std::time::SystemTime::now() + self.settings.retry_base;
-            holds.extend(plan.unanswered.iter().map(|&seq| (seq, retry_at)));
+            holds.extend(seqs.iter().map(|&seq| (seq, retry_at)));
         }
         tx.settle_and_commit(Settle {
             published: &plan.published,
