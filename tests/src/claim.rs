@@ -38,6 +38,7 @@ fn limits() -> ClaimLimits {
         rows: 500,
         bytes: 8 << 20,
         park_recheck: Duration::from_secs(60),
+        due_recheck: std::time::Duration::from_millis(10),
     }
 }
 

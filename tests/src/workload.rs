@@ -133,22 +133,7 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
                 seq: first + i,
             })
             .collect();
-        let messages: Vec<Message> = tags
-            .iter()
-            .map(|t| {
-                Message::builder(spec.destination.as_str())
-                    .key(t.key.as_str())
-                    .routing_key(format!("wl.{}", t.key))
-                    // The tag plus a sentinel RelayProcess watches its logs for.
-                    .json(&serde_json::json!({
-                        "key": t.key,
-                        "seq": t.seq,
-                        "note": crate::PAYLOAD_SENTINEL,
-                    }))
-                    .build()
-                    .expect("valid message")
-            })
-            .collect();
+        let messages: Vec<Message> = tags.iter().map(|t| message(&spec.destination, t)).collect();
         match one_tx(&mut client, outbox, &messages, delay, rollback).await {
             TxResult::Committed(ids) => {
                 for (id, tag) in ids.iter().zip(tags) {
@@ -171,6 +156,57 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
                 client = reconnect(config).await;
             }
         }
+    }
+    out
+}
+
+/// The message a writer enqueues for `tag`.
+fn message(destination: &str, tag: &Tag) -> Message {
+    Message::builder(destination)
+        .key(tag.key.as_str())
+        .routing_key(format!("wl.{}", tag.key))
+        // The tag plus a sentinel RelayProcess watches its logs for.
+        .json(&serde_json::json!({
+            "key": tag.key,
+            "seq": tag.seq,
+            "note": crate::PAYLOAD_SENTINEL,
+        }))
+        .build()
+        .expect("valid message")
+}
+
+/// Commits `messages` messages of the one key `key` to `db`'s outbox, `per_tx`
+/// to a transaction, starting at seq `first`: a hot key with a backlog of its
+/// own beside whatever the writers of a [`Spec`] do. Their keys are
+/// `key-N`; give this one another name.
+pub async fn hot_key(
+    db: &crate::db::TestDb,
+    destination: &str,
+    key: &str,
+    first: u64,
+    messages: usize,
+    per_tx: usize,
+) -> Written {
+    let mut client = crate::db::connect(&db.config).await;
+    let outbox = db.outbox();
+    let mut out = Written::default();
+    let mut seq = first;
+    while seq < first + messages as u64 {
+        let n = per_tx.min((first + messages as u64 - seq) as usize);
+        let tags: Vec<Tag> = (seq..seq + n as u64)
+            .map(|seq| Tag {
+                key: key.to_owned(),
+                seq,
+            })
+            .collect();
+        let batch: Vec<Message> = tags.iter().map(|t| message(destination, t)).collect();
+        let tx = client.transaction().await.expect("begin");
+        let ids = outbox.enqueue_batch(&tx, &batch).await.expect("enqueue");
+        tx.commit().await.expect("commit");
+        for (id, tag) in ids.iter().zip(tags) {
+            out.committed.insert(id.0, tag);
+        }
+        seq += n as u64;
     }
     out
 }

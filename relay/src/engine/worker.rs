@@ -240,6 +240,19 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         }
     }
 
+    /// How long rows the broker left unanswered are set aside, their keys
+    /// behind them: `retry_base`, or as long as their batch took if longer
+    /// (up to `retry_max`). Rows that can cost a pipeline slot its whole
+    /// confirm timeout (a partition without a leader) then take at most
+    /// about half of that slot's time while the outage lasts, and the other
+    /// keys the rest.
+    fn outage_hold(&self, claimed_at: Instant) -> Duration {
+        claimed_at.elapsed().clamp(
+            self.settings.retry_base,
+            self.settings.retry_max.max(self.settings.retry_base),
+        )
+    }
+
     /// Runs one batch to completion; only if shutdown was requested *and* the
     /// grace period ran out is it dropped (rolling back its transaction).
     async fn batch_until_grace(
@@ -265,6 +278,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             rows: self.settings.batch_size,
             bytes: self.settings.batch_max_bytes,
             park_recheck: self.settings.retry_max,
+            due_recheck: self.settings.poll_min,
         };
         let claiming = self.idle.claiming.lock().await;
         // Everything from the claim to the settle must end within half the
@@ -290,9 +304,21 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         if !claimed.batch.is_empty() || !claimed.blocked.is_empty() {
             self.floor.note_claim();
         }
-        let holds = claimed.holds;
-        let behind = claimed.blocked.len() > holds.len();
+        let mut holds = claimed.holds;
         let batch = hooks::claimed(claimed.batch);
+        if batch.is_empty()
+            && holds.is_empty()
+            && !claimed.behind_due.is_empty()
+            && self.stats.in_flight() == 0
+        {
+            // Every row this claim took waits behind an older row of its
+            // key that is due, and nothing is at the broker: no batch ahead
+            // will hand these keys over, and the next claim would take the
+            // same rows. Set aside, they come due after those older rows,
+            // which the next claim then reaches (see `claim::judge`).
+            holds = claimed.behind_due;
+        }
+        let behind = claimed.blocked.len() > holds.len();
         if batch.is_empty() {
             if holds.is_empty() {
                 tx.release();
@@ -422,10 +448,19 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
                 self.stats.count(Event::BatchFailed, 1);
                 metrics::counter!(crate::metrics::BATCH_FAILURES).increment(1);
-                // Recording the reason is a courtesy to operators; if it
-                // fails, the rollback releases the rows all the same, now
-                // rather than after the broker's backoff.
-                if tx.note_batch_error(&seqs, &e.to_string()).await.is_ok() {
+                // A batch that waited out a timeout (a Kafka partition
+                // without a leader, holding every row of the batch) is set
+                // aside, its keys behind it, so that the next claims take
+                // other keys and the rest of the outbox flows. One that
+                // failed at once (the broker unreachable) is not: its
+                // worker's backoff paces the retries. Recording the reason
+                // is a courtesy to operators; if it fails, the rollback
+                // releases the rows all the same, now rather than after the
+                // broker's backoff.
+                let hold = (claimed_at.elapsed() >= self.settings.retry_base)
+                    .then(|| self.outage_hold(claimed_at));
+                let noted = tx.note_batch_error(&seqs, &e.to_string(), hold).await;
+                if noted.is_ok() {
                     tx.commit().await?;
                 } else {
                     tx.rollback().await?;
@@ -439,16 +474,15 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // The broker answered, if not for every row.
         self.stats.note_batch(None);
         // Rows it left unanswered while it confirmed the rest (a Kafka
-        // partition without a leader) wait `retry_base` before a claim
-        // takes them again, their keys behind them, with the failure as
+        // partition without a leader) wait as long as their batch took (see
+        // `outage_hold`) before a claim takes them again, their keys behind
+        // them, with the failure as
         // their last error. No attempt is counted: it is an outage of part
         // of the broker, not a refusal, and the rest of the outbox flows.
-        let mut holds = holds;
         if let Some((_, reason)) = plan.unanswered.first() {
             let seqs: Vec<i64> = plan.unanswered.iter().map(|u| u.0).collect();
-            tx.note_batch_error(&seqs, reason).await?;
-            let retry_at = std::time::SystemTime::now() + self.settings.retry_base;
-            holds.extend(seqs.iter().map(|&seq| (seq, retry_at)));
+            tx.note_batch_error(&seqs, reason, Some(self.outage_hold(claimed_at)))
+                .await?;
         }
         tx.settle_and_commit(Settle {
             published: &plan.published,

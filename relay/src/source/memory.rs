@@ -11,8 +11,9 @@
 //! - every statement can take a set (virtual) time, and the store can go
 //!   down, ending every session.
 //!
-//! It does not keep partitions, holds, retention or the floor: a claim
-//! ignores them.
+//! It does not keep partitions, the holds of blocked keys, retention or the
+//! floor: a claim ignores them. Rows an outage left unanswered do wait out
+//! their hold, as rows waiting out a retry do.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -161,6 +162,8 @@ pub(crate) struct MemoryTx {
     id: u64,
     delete: Vec<i64>,
     retry: Vec<(i64, Duration)>,
+    /// Rows the broker did not answer, set aside without an attempt.
+    aside: Vec<(i64, Duration)>,
     dead: Vec<i64>,
 }
 
@@ -201,6 +204,7 @@ impl Session for MemorySession {
             id,
             delete: Vec::new(),
             retry: Vec::new(),
+            aside: Vec::new(),
             dead: Vec::new(),
         })
     }
@@ -280,10 +284,18 @@ impl BatchTx for MemoryTx {
         Ok(settle.holds.len() as u64)
     }
 
-    async fn note_batch_error(&mut self, seqs: &[i64], _error: &str) -> Result<u64, StoreError> {
+    async fn note_batch_error(
+        &mut self,
+        seqs: &[i64],
+        _error: &str,
+        hold: Option<Duration>,
+    ) -> Result<u64, StoreError> {
         self.store
             .statement(self.generation, Duration::ZERO)
             .await?;
+        if let Some(hold) = hold {
+            self.aside.extend(seqs.iter().map(|&seq| (seq, hold)));
+        }
         Ok(seqs.len() as u64)
     }
 
@@ -308,6 +320,11 @@ impl BatchTx for MemoryTx {
             if let Some(row) = s.rows.get_mut(&seq) {
                 row.ready_at = now + delay;
                 row.envelope.attempts += 1;
+            }
+        }
+        for (seq, hold) in self.aside.drain(..) {
+            if let Some(row) = s.rows.get_mut(&seq) {
+                row.ready_at = row.ready_at.max(now + hold);
             }
         }
         Ok(())

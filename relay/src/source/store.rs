@@ -68,11 +68,14 @@ pub(crate) trait BatchTx: Send {
         settle: Settle<'_>,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
-    /// Records a whole-batch failure on the rows, without counting an attempt.
+    /// Records an outage's failure on rows the broker did not answer and,
+    /// with a `hold`, sets them aside for that long, their keys behind
+    /// them, without counting an attempt.
     fn note_batch_error<'a>(
         &'a mut self,
         seqs: &'a [i64],
         error: &'a str,
+        hold: Option<Duration>,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a;
 
     /// Deletes rows unconditionally (only the ack-before-confirm mutant does).
@@ -378,9 +381,14 @@ impl BatchTx for PgTx<'_> {
         Ok(held)
     }
 
-    async fn note_batch_error(&mut self, seqs: &[i64], error: &str) -> Result<u64, StoreError> {
+    async fn note_batch_error(
+        &mut self,
+        seqs: &[i64],
+        error: &str,
+        hold: Option<Duration>,
+    ) -> Result<u64, StoreError> {
         let (q, client) = (self.queries, self.client);
-        let statement = q.note_batch_error(client, seqs, error);
+        let statement = q.note_batch_error(client, seqs, error, hold);
         self.run(statement).await
     }
 

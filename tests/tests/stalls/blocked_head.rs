@@ -269,3 +269,70 @@ async fn a_steady_stream_on_a_blocked_key_does_not_stall_others() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// A key whose later rows were set aside until a time that came before
+/// their head's: a head set aside again (its batch failed once more, or
+/// with a longer hold) after its later rows had been. Once all are due, a
+/// claim's scan of due rows, in order of time, takes those later rows
+/// first. Each is blocked by the head, which is due and not in the claim,
+/// and so was left where it was; with more of them than a batch, every
+/// claim took the same rows and nothing else, and the relay stopped for
+/// good. Such a row must now be set aside for a moment, behind its head.
+#[tokio::test]
+async fn later_rows_due_before_their_head_do_not_stop_the_claims() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let batch_size = 50;
+    let messages: Vec<Message> = (0..10 * batch_size as usize)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key("k")
+                .payload(format!("{i}").into_bytes())
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    let table = db.table();
+    db.client
+        .batch_execute(&format!(
+            "UPDATE {table} SET next_attempt_at = now() - interval '1 minute' \
+              WHERE seq = (SELECT min(seq) FROM {table}); \
+             UPDATE {table} SET next_attempt_at = now() - interval '2 minutes' \
+              WHERE seq > (SELECT min(seq) FROM {table});"
+        ))
+        .await
+        .expect("set the rows aside");
+    let relay = InProcessRelay::amqp(
+        &db,
+        outbox_relay::Settings {
+            batch_size,
+            ..fast_settings()
+        },
+    );
+    let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
+    let pending = db.pending().await;
+    relay.stop().await;
+    assert!(drained, "{pending} of {} rows never went", messages.len());
+    rabbit.expect_at_least(messages.len(), PATIENCE).await;
+    let order: Vec<usize> = rabbit
+        .deliveries()
+        .iter()
+        .map(|d| {
+            String::from_utf8_lossy(&d.payload)
+                .parse()
+                .expect("a number")
+        })
+        .collect();
+    assert_eq!(
+        order,
+        (0..messages.len()).collect::<Vec<_>>(),
+        "the key's messages out of order"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

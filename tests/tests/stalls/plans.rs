@@ -81,6 +81,7 @@ fn batch_limits() -> ClaimLimits {
         rows: 500,
         bytes: 8 << 20,
         park_recheck: std::time::Duration::from_secs(60),
+        due_recheck: std::time::Duration::from_millis(10),
     }
 }
 

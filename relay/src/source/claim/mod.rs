@@ -48,6 +48,10 @@ pub struct ClaimLimits {
     /// before a claim looks at them again (a retry or discard of the dead
     /// letter brings them back at once).
     pub park_recheck: Duration,
+    /// How long a row blocked behind an older row of its key that is due
+    /// but not in the claim is to be set aside, when it is (see
+    /// [`Claimed::behind_due`]).
+    pub due_recheck: Duration,
 }
 
 /// What one claim found.
@@ -60,6 +64,14 @@ pub struct Claimed {
     /// Rows claimed but blocked behind an older row of their key (or a
     /// paused destination), by seq, oldest first.
     pub blocked: Vec<i64>,
+    /// Those of `blocked` whose older row is due (its time has passed) and
+    /// not in this claim, with until when to set them aside should the
+    /// claims be stuck on them: `due_recheck` from the claim's `now()`,
+    /// after that older row's time. They are left where they are
+    /// otherwise: the older row may be in flight (taken by an earlier claim
+    /// from the due rows), and setting its followers aside every time would
+    /// rewrite a hot key's backlog once per batch.
+    pub behind_due: Vec<(i64, SystemTime)>,
 }
 
 /// The SQL text for one schema, built once.
@@ -224,7 +236,7 @@ impl Queries {
             .try_get::<_, Vec<String>>("paused")?
             .into_iter()
             .collect();
-        let verdicts = judge(&heads.rows, &probes, &paused, now, limits.park_recheck);
+        let verdicts = judge(&heads.rows, &probes, &paused, now, limits);
         // The bodies come in seq order, as the kept rows are: walk both.
         futures::pin_mut!(bodies);
         let mut body = bodies.try_next().await?;
@@ -255,6 +267,10 @@ impl Queries {
                     if let Some(until) = until {
                         claimed.holds.push((head.seq, until));
                     }
+                }
+                Verdict::BehindDue(until) => {
+                    claimed.blocked.push(head.seq);
+                    claimed.behind_due.push((head.seq, until));
                 }
             }
         }
@@ -354,15 +370,19 @@ impl Queries {
             .await
     }
 
-    /// Records a whole-batch failure (broker unreachable) without counting an
-    /// attempt: an outage is not the message's fault.
+    /// Records a failure of the broker's (unreachable, or a partition
+    /// without a leader) on rows it did not answer and, with a `hold`, sets
+    /// them aside for that long, their keys behind them, without counting
+    /// an attempt: an outage is not the message's fault.
     pub async fn note_batch_error(
         &self,
         tx: &Client,
         seqs: &[i64],
         error: &str,
+        hold: Option<Duration>,
     ) -> Result<u64, tokio_postgres::Error> {
-        tx.execute(self.note_batch_error.as_str(), &[&seqs, &error])
+        let hold = hold.map(|h| h.as_secs_f64());
+        tx.execute(self.note_batch_error.as_str(), &[&seqs, &error, &hold])
             .await
     }
 }
@@ -469,6 +489,9 @@ enum Verdict {
     /// Blocked; set it aside until then, or (nothing) leave it for the next
     /// claim, its blocker being merely in flight.
     Blocked(Option<SystemTime>),
+    /// Blocked by an older row that is due and not in this claim: left for
+    /// the next claim, or set aside until then if the claims are stuck.
+    BehindDue(SystemTime),
 }
 
 /// The kept rows' verdicts (`heads` oldest first). A row is blocked when its
@@ -476,18 +499,28 @@ enum Verdict {
 /// paused destination, when an older row of its key was not kept (in flight
 /// elsewhere, waiting out a retry, set aside: the probe's `gap`) or, when
 /// parking, an older message of its key is dead-lettered. A row blocked by
-/// a pause or a dead letter is set aside for `recheck` (or until its gap's
-/// own time, if later); one blocked only by a waiting row, until that row's
-/// time; one blocked by a row in flight, not at all. Rows without a key are
-/// blocked only by their own destination's pause. `now` is the claim
-/// transaction's `now()`.
+/// a pause or a dead letter is set aside for `park_recheck` (or until its
+/// gap's own time, if later); one blocked only by a waiting row, until that
+/// row's time; one blocked by a row in flight, not at all. Rows without a
+/// key are blocked only by their own destination's pause. `now` is the
+/// claim transaction's `now()`.
+///
+/// A row blocked by an older row that is due (its time has passed) but not
+/// in this claim comes back as [`Verdict::BehindDue`], with a time
+/// `due_recheck` after the claim's `now()`: after its blocker's. Left where
+/// it is every time, it could stop every claim: the scan of due rows goes
+/// in order of time, and a key's later rows can come due before its head
+/// (set aside behind it before the head was set aside again, for longer).
+/// A batch's worth of them, taken first by every claim and each blocked,
+/// would be all any claim ever found.
 fn judge(
     heads: &[Head],
     probes: &HashMap<String, Probe>,
     paused: &HashSet<String>,
     now: SystemTime,
-    recheck: Duration,
+    limits: &ClaimLimits,
 ) -> Vec<Verdict> {
+    let recheck = limits.park_recheck;
     // The oldest kept row of each key that goes to a paused destination.
     let mut paused_from: HashMap<&str, i64> = HashMap::new();
     if !paused.is_empty() {
@@ -519,7 +552,13 @@ fn judge(
                 let recheck = now.checked_add(recheck).unwrap_or(now);
                 Verdict::Blocked(Some(probe.gap_until.map_or(recheck, |u| u.max(recheck))))
             } else if behind {
-                Verdict::Blocked(probe.gap_until.filter(|u| *u > now))
+                match probe.gap_until {
+                    Some(u) if u > now => Verdict::Blocked(Some(u)),
+                    Some(_) => {
+                        Verdict::BehindDue(now.checked_add(limits.due_recheck).unwrap_or(now))
+                    }
+                    None => Verdict::Blocked(None),
+                }
             } else {
                 Verdict::Go
             }
@@ -584,6 +623,7 @@ mod tests {
             rows,
             bytes,
             park_recheck: Duration::from_secs(60),
+            due_recheck: Duration::from_millis(10),
         }
     }
 
@@ -628,13 +668,7 @@ mod tests {
         ];
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
         let paused: HashSet<String> = ["paused".to_owned()].into();
-        let verdicts = judge(
-            &heads,
-            &HashMap::new(),
-            &paused,
-            now,
-            Duration::from_secs(60),
-        );
+        let verdicts = judge(&heads, &HashMap::new(), &paused, now, &limits(10, 1_000));
         let held = Verdict::Blocked(Some(now + Duration::from_secs(60)));
         assert_eq!(
             verdicts,
@@ -657,15 +691,7 @@ mod tests {
                 },
             )])
         };
-        let judged = |probes| {
-            judge(
-                &heads,
-                &probes,
-                &HashSet::new(),
-                now,
-                Duration::from_secs(60),
-            )
-        };
+        let judged = |probes| judge(&heads, &probes, &HashSet::new(), now, &limits(10, 1_000));
         // Row 6 waits until `later`: row 7 is set aside until then, row 5 goes.
         assert_eq!(
             judged(probe(6, Some(later))),
@@ -676,10 +702,14 @@ mod tests {
             judged(probe(6, None)),
             [Verdict::Go, Verdict::Blocked(None)]
         );
-        // Row 6's time has passed: nothing to wait for, it is due.
+        // Row 6's time has passed and it is not in this claim: row 7 stays,
+        // with a time after row 6's should the claims be stuck on it.
         assert_eq!(
             judged(probe(6, Some(now - Duration::from_secs(1)))),
-            [Verdict::Go, Verdict::Blocked(None)]
+            [
+                Verdict::Go,
+                Verdict::BehindDue(now + Duration::from_millis(10))
+            ]
         );
     }
 }

@@ -135,7 +135,11 @@ impl Queries {
                  WHERE m.seq = u.seq"
             ),
             note_batch_error: format!(
-                "UPDATE {t} SET last_error = $2, last_attempt_at = now() WHERE seq = ANY($1)"
+                "UPDATE {t} SET last_error = $2, last_attempt_at = now(), \
+                    next_attempt_at = CASE WHEN $3::float8 IS NULL THEN next_attempt_at \
+                        ELSE greatest(next_attempt_at, \
+                                      statement_timestamp() + make_interval(secs => $3)) END \
+                 WHERE seq = ANY($1)"
             ),
             // Names the newest column, so a schema a migration behind is refused
             // at start-up rather than at the first claim.
