@@ -179,6 +179,32 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
     db.cleanup().await;
 }
 
+/// The alarm tests' end: waits for the writers and for every message they
+/// committed, judges the delivery against `bound` (one set of in-flight
+/// batches goes out twice at most) as `scenario`, and stops and cleans up.
+async fn settle_judge_and_clean_up(
+    scenario: &str,
+    started: std::time::Instant,
+    bound: usize,
+    writers: tokio::task::JoinHandle<workload::Written>,
+    relay: InProcessRelay,
+    sink: Sink,
+    db: TestDb,
+) {
+    let written = writers.await.expect("writers");
+    let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
+    judge(
+        env!("CARGO_TARGET_TMPDIR"),
+        scenario,
+        &report,
+        started,
+        Some(bound),
+    );
+    relay.stop().await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
 /// Batches of 100, three at the broker at once, and a 6 s hold limit: a
 /// blocked batch ends at its 3 s deadline, well before the 10 s confirm
 /// timeout. Returned with the duplicate bound: one set of in-flight batches.
@@ -256,19 +282,16 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
         before, during,
         "a relay session was ended by the server: a batch was held past the hold limit"
     );
-    let written = writers.await.expect("writers");
-    let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
-    // At most one set of in-flight batches goes out twice.
-    judge(
-        env!("CARGO_TARGET_TMPDIR"),
+    settle_judge_and_clean_up(
         "amqp: memory alarm 15s",
-        &report,
         started,
-        Some(bound),
-    );
-    relay.stop().await;
-    sink.cleanup().await;
-    db.cleanup().await;
+        bound,
+        writers,
+        relay,
+        sink,
+        db,
+    )
+    .await;
 }
 
 /// A relay that starts while RabbitMQ is already in a memory alarm: its
@@ -297,16 +320,14 @@ async fn a_relay_started_during_a_memory_alarm_waits_it_out_and_loses_nothing() 
         .assert_broker_stays_down(Duration::from_secs(10))
         .await;
     alarm.clear().await;
-    let written = writers.await.expect("writers");
-    let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
-    judge(
-        env!("CARGO_TARGET_TMPDIR"),
+    settle_judge_and_clean_up(
         "amqp: relay started in a memory alarm",
-        &report,
         started,
-        Some(bound),
-    );
-    relay.stop().await;
-    sink.cleanup().await;
-    db.cleanup().await;
+        bound,
+        writers,
+        relay,
+        sink,
+        db,
+    )
+    .await;
 }

@@ -394,6 +394,13 @@ impl OfflineRun {
             relay,
         }
     }
+
+    /// Stops the relay and the consumer, and drops the outbox.
+    async fn finish(self) {
+        self.relay.stop().await;
+        self.consumer.stop().await;
+        self.db.cleanup().await;
+    }
 }
 
 /// One partition without a leader for 10 s (a real cluster has a partition
@@ -405,19 +412,13 @@ impl OfflineRun {
 #[tokio::test]
 async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches() {
     let started = std::time::Instant::now();
-    let OfflineRun {
-        mock,
-        topic,
-        consumer,
-        db,
-        bound,
-        relay,
-    } = OfflineRun::start("offline").await;
+    let run = OfflineRun::start("offline").await;
+    let (mock, topic, consumer, db) = (&run.mock, &run.topic, &run.consumer, &run.db);
     let spec = Spec {
         max_commit_delay: Duration::from_millis(20),
-        ..Spec::new(&topic, 4, 40, 4_000)
+        ..Spec::new(topic, 4, 40, 4_000)
     };
-    let writers = workload::spawn(&db, spec);
+    let writers = workload::spawn(db, spec);
     assert!(
         eventually(PATIENCE, || async { consumer.count() > 200 }).await,
         "nothing flows"
@@ -426,24 +427,22 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
     // broker 1 goes away, and partition 0 with it (the mock elects no new
     // leader).
     for (partition, broker) in [(0, 1), (1, 2), (2, 3), (3, 2)] {
-        mock.partition_leader(&topic, partition, Some(broker))
+        mock.partition_leader(topic, partition, Some(broker))
             .expect("leader");
     }
     mock.broker_down(1).expect("broker 1 down");
     tokio::time::sleep(Duration::from_secs(10)).await;
     mock.broker_up(1).expect("broker 1 up");
     let written = writers.await.expect("writers");
-    let report = drained_report("one partition offline", &db, &written, &consumer).await;
+    let report = drained_report("one partition offline", db, &written, consumer).await;
     outbox_tests::check::judge(
         TMP,
         "kafka mock: one partition offline 10s",
         &report,
         started,
-        Some(bound),
+        Some(run.bound),
     );
-    relay.stop().await;
-    consumer.stop().await;
-    db.cleanup().await;
+    run.finish().await;
 }
 
 /// The partition librdkafka's `murmur2_random` partitioner (the relay's)
@@ -483,14 +482,8 @@ fn murmur2_partition(key: &str, partitions: u32) -> i32 {
 #[tokio::test]
 async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
     let started = std::time::Instant::now();
-    let OfflineRun {
-        mock,
-        topic,
-        consumer,
-        db,
-        bound,
-        relay,
-    } = OfflineRun::start("hot").await;
+    let run = OfflineRun::start("hot").await;
+    let (mock, topic, consumer, db) = (&run.mock, &run.topic, &run.consumer, &run.db);
 
     // The hot key's partition goes offline: led by broker 1 alone, which
     // goes away (the mock elects no new leader).
@@ -503,10 +496,10 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
         } else {
             others.next().expect("cycle")
         };
-        mock.partition_leader(&topic, partition, Some(leader))
+        mock.partition_leader(topic, partition, Some(leader))
             .expect("leader");
     }
-    let mut written = workload::hot_key(&db, &topic, hot, 0, 20, 20).await;
+    let mut written = workload::hot_key(db, topic, hot, 0, 20, 20).await;
     assert!(
         eventually(PATIENCE, || async { consumer.count() >= 20 }).await,
         "nothing flows"
@@ -515,10 +508,10 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
 
     let spec = Spec {
         max_commit_delay: Duration::from_millis(5),
-        ..Spec::new(&topic, 4, 40, 4_000)
+        ..Spec::new(topic, 4, 40, 4_000)
     };
-    let writers = workload::spawn(&db, spec);
-    let backlog = workload::hot_key(&db, &topic, hot, 20, 3_000, 250).await;
+    let writers = workload::spawn(db, spec);
+    let backlog = workload::hot_key(db, topic, hot, 20, 3_000, 250).await;
     written.committed.extend(backlog.committed);
     let ordinary = writers.await.expect("writers");
     written.committed.extend(ordinary.committed);
@@ -561,7 +554,7 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
         elsewhere.committed.len()
     );
 
-    let report = drained_report("hot key offline", &db, &written, &consumer).await;
+    let report = drained_report("hot key offline", db, &written, consumer).await;
     // The test's partitioner is the relay's: every record is where it says.
     let misplaced: Vec<_> = consumer
         .records()
@@ -580,9 +573,7 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
         "kafka mock: hot key on an offline partition",
         &report,
         started,
-        Some(bound),
+        Some(run.bound),
     );
-    relay.stop().await;
-    consumer.stop().await;
-    db.cleanup().await;
+    run.finish().await;
 }
