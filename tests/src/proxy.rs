@@ -1,9 +1,12 @@
-//! A TCP proxy that can pass traffic, refuse it, or black-hole it, to cut a
-//! relay off from its broker without touching the broker itself.
+//! A TCP proxy that can pass traffic, refuse it, black-hole it, or slow it
+//! down, to cut a relay off from its broker (or starve it) without touching
+//! the broker itself.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::io::copy_bidirectional;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -32,6 +35,9 @@ pub struct Proxy {
     /// The port to connect to instead of the upstream's.
     pub port: u16,
     mode: Arc<watch::Sender<Mode>>,
+    /// Bytes per second forwarded from client to upstream while passing; 0
+    /// for no limit.
+    rate: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -47,8 +53,9 @@ impl Proxy {
         let port = listener.local_addr().expect("local addr").port();
         let (tx, _) = watch::channel(Mode::Pass);
         let mode = Arc::new(tx);
+        let rate = Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_owned();
-        let m = Arc::clone(&mode);
+        let (m, r) = (Arc::clone(&mode), Arc::clone(&rate));
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -56,15 +63,28 @@ impl Proxy {
                 };
                 let rx = m.subscribe();
                 let upstream = upstream.clone();
-                tokio::spawn(serve(client, upstream, rx));
+                tokio::spawn(serve(client, upstream, rx, Arc::clone(&r)));
             }
         });
-        Proxy { port, mode, task }
+        Proxy {
+            port,
+            mode,
+            rate,
+            task,
+        }
     }
 
     /// Switches mode; open connections react at once.
     pub fn set(&self, mode: Mode) {
         self.mode.send_replace(mode);
+    }
+
+    /// Limits what each connection forwards from its client to the upstream
+    /// to `bytes_per_second` (0: no limit), open connections included: a
+    /// slow link, or a broker that reads slowly (RabbitMQ's flow control
+    /// under disk pressure). Answers come back at full speed.
+    pub fn throttle(&self, bytes_per_second: u64) {
+        self.rate.store(bytes_per_second, Ordering::Relaxed);
     }
 }
 
@@ -74,7 +94,12 @@ impl Drop for Proxy {
     }
 }
 
-async fn serve(mut client: TcpStream, upstream: String, mut mode: watch::Receiver<Mode>) {
+async fn serve(
+    mut client: TcpStream,
+    upstream: String,
+    mut mode: watch::Receiver<Mode>,
+    rate: Arc<AtomicU64>,
+) {
     let current = *mode.borrow_and_update();
     match current {
         Mode::Refuse => {}
@@ -88,7 +113,7 @@ async fn serve(mut client: TcpStream, upstream: String, mut mode: watch::Receive
                 return;
             };
             tokio::select! {
-                _ = copy_bidirectional(&mut client, &mut server) => {}
+                _ = forward(&mut client, &mut server, &rate) => {}
                 _ = wait_until_not_pass(&mut mode) => {
                     let now = *mode.borrow();
                     match now {
@@ -105,6 +130,36 @@ async fn serve(mut client: TcpStream, upstream: String, mut mode: watch::Receive
         }
     }
     // Dropping the sockets closes them.
+}
+
+/// Copies both ways until either side closes, the client's bytes at no more
+/// than `rate` per second when it is set.
+async fn forward(client: &mut TcpStream, server: &mut TcpStream, rate: &AtomicU64) {
+    let (mut client_rx, mut client_tx) = client.split();
+    let (mut server_rx, mut server_tx) = server.split();
+    let up = async {
+        // Small reads, so that a limit paces the stream finely.
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = match client_rx.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let limit = rate.load(Ordering::Relaxed);
+            if limit > 0 {
+                tokio::time::sleep(Duration::from_secs_f64(n as f64 / limit as f64)).await;
+            }
+            if server_tx.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = server_tx.shutdown().await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+        let _ = client_tx.shutdown().await;
+    };
+    tokio::join!(up, down);
 }
 
 /// Holds a connection open and silent until the proxy is dropped, whatever

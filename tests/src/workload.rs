@@ -55,6 +55,9 @@ pub struct Spec {
     pub hold: Duration,
     /// Outbox destination.
     pub destination: String,
+    /// Bytes of padding added to each payload (0: none), for workloads
+    /// where what is in flight must weigh something.
+    pub pad: usize,
 }
 
 impl Spec {
@@ -70,6 +73,7 @@ impl Spec {
             hold_percent: 0,
             hold: Duration::from_secs(2),
             destination: destination.to_owned(),
+            pad: 0,
         }
     }
 }
@@ -133,7 +137,10 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
                 seq: first + i,
             })
             .collect();
-        let messages: Vec<Message> = tags.iter().map(|t| message(&spec.destination, t)).collect();
+        let messages: Vec<Message> = tags
+            .iter()
+            .map(|t| message(&spec.destination, t, spec.pad))
+            .collect();
         match one_tx(&mut client, outbox, &messages, delay, rollback).await {
             TxResult::Committed(ids) => {
                 for (id, tag) in ids.iter().zip(tags) {
@@ -160,17 +167,22 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
     out
 }
 
-/// The message a writer enqueues for `tag`.
-fn message(destination: &str, tag: &Tag) -> Message {
+/// The message a writer enqueues for `tag`, its payload padded with `pad`
+/// bytes.
+fn message(destination: &str, tag: &Tag, pad: usize) -> Message {
+    let mut payload = serde_json::json!({
+        "key": tag.key,
+        "seq": tag.seq,
+        "note": crate::PAYLOAD_SENTINEL,
+    });
+    if pad > 0 {
+        payload["pad"] = serde_json::Value::String("p".repeat(pad));
+    }
     Message::builder(destination)
         .key(tag.key.as_str())
         .routing_key(format!("wl.{}", tag.key))
         // The tag plus a sentinel RelayProcess watches its logs for.
-        .json(&serde_json::json!({
-            "key": tag.key,
-            "seq": tag.seq,
-            "note": crate::PAYLOAD_SENTINEL,
-        }))
+        .json(&payload)
         .build()
         .expect("valid message")
 }
@@ -199,7 +211,7 @@ pub async fn hot_key(
                 seq,
             })
             .collect();
-        let batch: Vec<Message> = tags.iter().map(|t| message(destination, t)).collect();
+        let batch: Vec<Message> = tags.iter().map(|t| message(destination, t, 0)).collect();
         let tx = client.transaction().await.expect("begin");
         let ids = outbox.enqueue_batch(&tx, &batch).await.expect("enqueue");
         tx.commit().await.expect("commit");
