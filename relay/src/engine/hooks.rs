@@ -42,7 +42,8 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();
         tx.delete(&seqs).await?;
         tx.commit().await?;
-        let _ = publish_in_waves(self.publisher.as_ref(), batch).await;
+        let deadline = tokio::time::Instant::now() + self.settings.hold_limit / 2;
+        let _ = publish_in_waves(self.publisher.as_ref(), batch, deadline).await;
         self.stats.count(Event::Published, seqs.len() as u64);
         Ok(BatchEnd::Settled {
             more: true,

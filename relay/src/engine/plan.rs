@@ -53,12 +53,13 @@ pub(super) fn plan_waves<P: Publisher>(publisher: &P, batch: &[Envelope]) -> Vec
 pub(super) async fn publish_in_waves<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
+    deadline: tokio::time::Instant,
 ) -> Result<Vec<Option<Verdict>>, crate::publish::PublishError> {
     let waves = plan_waves(publisher, batch);
     let last_wave = waves.iter().copied().max().unwrap_or(0);
     if last_wave == 0 {
         return Ok(publisher
-            .publish(batch)
+            .publish_until(batch, deadline)
             .await?
             .into_iter()
             .map(Some)
@@ -80,7 +81,7 @@ pub(super) async fn publish_in_waves<P: Publisher>(
             continue;
         }
         let sub: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
-        let answers = publisher.publish(&sub).await?;
+        let answers = publisher.publish_until(&sub, deadline).await?;
         for (&i, answer) in members.iter().zip(answers) {
             if answer.is_err() {
                 if let Some(k) = batch[i].ordering_key.as_deref() {
@@ -194,7 +195,10 @@ mod tests {
             ..env(1, Some("k"))
         };
         let batch = vec![first, env(2, Some("k")), env(3, Some("other"))];
-        let outcomes = publish_in_waves(&p, &batch).await.expect("published");
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        let outcomes = publish_in_waves(&p, &batch, deadline)
+            .await
+            .expect("published");
         assert!(matches!(outcomes[0], Some(Err(_))));
         assert!(outcomes[1].is_none(), "k's second message must not be sent");
         assert!(matches!(outcomes[2], Some(Ok(_))));

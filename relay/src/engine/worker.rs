@@ -274,9 +274,19 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Empty { behind: false });
         }
         let mut tx = db.begin().await?;
+        // A broker slower than the batches in flight can cross before their
+        // deadline asks for smaller ones (see `Publisher::batch_bytes`).
+        let max_bytes = self
+            .publisher
+            .batch_bytes()
+            .map_or(self.settings.batch_max_bytes, |b| {
+                self.settings
+                    .batch_max_bytes
+                    .min(i64::try_from(b).unwrap_or(i64::MAX))
+            });
         let limits = ClaimLimits {
             rows: self.settings.batch_size,
-            bytes: self.settings.batch_max_bytes,
+            bytes: max_bytes,
             park_recheck: self.settings.retry_max,
             due_recheck: self.settings.poll_min,
         };
@@ -355,8 +365,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // row, which the claim read but did not keep, would not have fit).
         let more = behind
             || batch.len() + holds.len() >= self.settings.batch_size as usize
-            || bytes.saturating_mul(2)
-                >= usize::try_from(self.settings.batch_max_bytes).unwrap_or(usize::MAX);
+            || bytes.saturating_mul(2) >= usize::try_from(max_bytes).unwrap_or(usize::MAX);
         let Ok(_share) = self
             .payload_budget
             .acquire_many(budget_share(bytes, self.payload_budget_kib))
@@ -405,19 +414,36 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
         // stall) may have lost its rows to another replica by now. Publishing
         // them would only make duplicates, so drop the batch.
-        if Instant::now() >= deadline {
+        // The publisher answers a little before the deadline with what the
+        // broker confirmed by then (a slow broker, still confirming), so
+        // that those rows are settled rather than sent again; the deadline
+        // itself is for a publisher that cannot answer at all. A batch with
+        // no time left to publish in goes back the same way.
+        let answer_by = deadline - self.settings.hold_limit / 20;
+        if Instant::now() >= answer_by {
             self.stats.count(Event::StaleBatch, 1);
-            tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled past the hold limit after claiming; batch dropped unpublished");
+            tracing::warn!(worker = self.id, stalled = ?claimed_at.elapsed(), "stalled after claiming until too close to the hold limit to publish; batch dropped unpublished");
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
+            });
+        }
+        // Half its time gone waiting for a slot (batches ahead of it on a
+        // slow broker): it would likely be cut short at its deadline, and
+        // what the broker had not confirmed by then sent again. Released
+        // unpublished, its rows are claimed again with a full budget.
+        if answer_by - Instant::now() < (answer_by - claimed_at) / 2 {
+            tracing::debug!(worker = self.id, waited = ?claimed_at.elapsed(), "batch waited half its time for a slot; released unpublished");
+            return Ok(BatchEnd::Settled {
+                more: true,
+                late: true,
             });
         }
         self.stats.add_in_flight(batch.len() as i64);
         let publish_started = Instant::now();
         let published = match tokio::time::timeout_at(
             deadline,
-            publish_in_waves(self.publisher.as_ref(), &batch),
+            publish_in_waves(self.publisher.as_ref(), &batch, answer_by),
         )
         .await
         {

@@ -14,6 +14,7 @@ pub mod amqp;
 pub mod cloudevents;
 pub mod kafka;
 pub mod memory;
+pub mod pace;
 
 /// Why the broker did not accept one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +106,27 @@ pub trait Publisher: Send + Sync + 'static {
         &'a self,
         batch: &'a [Envelope],
     ) -> impl Future<Output = Result<Vec<Verdict>, PublishError>> + Send + 'a;
+
+    /// [`Publisher::publish`], answering by `deadline` at the latest: a
+    /// broker still confirming at the deadline is not waited for, and the
+    /// messages it confirmed by then are reported as published, the rest as
+    /// unanswered. The default ignores the deadline.
+    fn publish_until<'a>(
+        &'a self,
+        batch: &'a [Envelope],
+        deadline: tokio::time::Instant,
+    ) -> impl Future<Output = Result<Vec<Verdict>, PublishError>> + Send + 'a {
+        let _ = deadline;
+        self.publish(batch)
+    }
+
+    /// The most payload bytes a batch should carry now, if fewer than the
+    /// relay's limit: a broker that takes bytes slower than the batches in
+    /// flight can cross before their deadline learns a smaller size here.
+    /// The default never asks for less.
+    fn batch_bytes(&self) -> Option<usize> {
+        None
+    }
 
     /// Whether two messages of one key share their fate at the broker: if the
     /// first is refused, so is the second. The relay sends a key's messages in

@@ -12,20 +12,23 @@
 //! rejected one by one while the rest of the batch flows.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use futures::future::{join_all, ready, Either};
+use futures::future::{ready, Either};
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
 use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection};
 use tokio::sync::Mutex;
 
 use super::cloudevents::CloudEvents;
+use super::pace::Pace;
 use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
-use wire::{correlate, properties, Answer, Returned};
+use wire::{correlate, correlate_cut, properties, Answer, Returned};
 
 mod link;
 mod wire;
@@ -44,7 +47,9 @@ const EXCHANGE_CHECK_TTL: Duration = Duration::from_secs(30);
 pub struct AmqpSettings {
     /// `amqp://` or `amqps://` URI, credentials included.
     pub url: String,
-    /// Longest wait for a batch's confirms before the connection is presumed dead.
+    /// Longest a batch waits while nothing at all is confirmed on the
+    /// connection before it is presumed dead. A direct [`Publisher::publish`]
+    /// also ends there; the relay's batches end at their own deadline.
     pub confirm_timeout: Duration,
     /// Longest wait for a TCP + AMQP handshake.
     pub connect_timeout: Duration,
@@ -83,6 +88,13 @@ pub struct AmqpPublisher {
     max_message_size: AtomicUsize,
     /// CloudEvents binary mode, when on: `ce-` headers on every message.
     cloudevents: Option<CloudEvents>,
+    /// When the broker last confirmed anything, in milliseconds since
+    /// `origin`: a batch waiting behind another's bytes on a slow link is
+    /// not on a dead connection while that one is being confirmed.
+    progress: AtomicU64,
+    origin: Instant,
+    /// The batch size a slow link can confirm in time.
+    pace: Pace,
 }
 
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
@@ -105,6 +117,9 @@ impl AmqpPublisher {
             exchanges_seen: Mutex::new(HashMap::new()),
             max_message_size: AtomicUsize::new(DEFAULT_MAX_MESSAGE_SIZE),
             cloudevents: None,
+            progress: AtomicU64::new(0),
+            origin: Instant::now(),
+            pace: Pace::default(),
         }
     }
 
@@ -117,6 +132,18 @@ impl AmqpPublisher {
 }
 
 impl AmqpPublisher {
+    /// When anything was last confirmed on any batch (or the publisher was
+    /// made).
+    fn last_progress(&self) -> tokio::time::Instant {
+        let ms = self.progress.load(Ordering::Relaxed);
+        tokio::time::Instant::from_std(self.origin) + Duration::from_millis(ms)
+    }
+
+    fn note_progress(&self) {
+        let ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.progress.fetch_max(ms, Ordering::Relaxed);
+    }
+
     /// Why `env` can never be published, checked before anything is sent.
     fn refuse_locally(&self, env: &Envelope) -> Option<Rejection> {
         let limit = self.max_message_size.load(Ordering::Relaxed);
@@ -132,6 +159,20 @@ impl AmqpPublisher {
 
 impl Publisher for AmqpPublisher {
     async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
+        let deadline = tokio::time::Instant::now() + self.settings.confirm_timeout;
+        self.publish_until(batch, deadline).await
+    }
+
+    fn batch_bytes(&self) -> Option<usize> {
+        self.pace.limit()
+    }
+
+    async fn publish_until(
+        &self,
+        batch: &[Envelope],
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<Verdict>, PublishError> {
+        let started = tokio::time::Instant::now();
         let connection = self.connection().await?;
         if connection.status().blocked() {
             // Anything sent now would sit in the socket until the alarm
@@ -146,7 +187,7 @@ impl Publisher for AmqpPublisher {
         // (they wait for the refused one, like after a broker refusal).
         let mut refused: HashSet<&str> = HashSet::new();
         let mut sent = Vec::with_capacity(batch.len());
-        let mut pending = Vec::with_capacity(batch.len());
+        let mut pending = FuturesUnordered::new();
         // Why a publish failed, which ends the sending: the rest of the batch
         // waits in the outbox for the next attempt.
         let mut failed = None;
@@ -213,59 +254,164 @@ impl Publisher for AmqpPublisher {
                 Poll::Ready(Ok(confirm)) => Either::Left(ready(Ok(confirm))),
                 Poll::Pending => Either::Right(handed),
             };
+            let j = sent.len();
             sent.push((i, env.message_id.to_string()));
             pending.push(async move {
-                let confirm = match handed.await {
-                    Ok(confirm) => confirm,
-                    Err(e) => return Answer::Lost(e),
-                };
-                match confirm.await {
-                    Ok(Confirmation::Ack(r)) => Answer::Confirmed {
-                        acked: true,
-                        returned: r.as_ref().map(Returned::from_lapin),
-                    },
-                    Ok(Confirmation::Nack(r)) => Answer::Confirmed {
-                        acked: false,
-                        returned: r.as_ref().map(Returned::from_lapin),
-                    },
-                    Ok(Confirmation::NotRequested) => {
-                        Answer::Lost(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
-                            lapin::ChannelState::Initial,
-                            "channel is not in confirm mode",
-                        )))
+                let answer = async {
+                    let confirm = match handed.await {
+                        Ok(confirm) => confirm,
+                        Err(e) => return Answer::Lost(e),
+                    };
+                    match confirm.await {
+                        Ok(Confirmation::Ack(r)) => Answer::Confirmed {
+                            acked: true,
+                            returned: r.as_ref().map(Returned::from_lapin),
+                        },
+                        Ok(Confirmation::Nack(r)) => Answer::Confirmed {
+                            acked: false,
+                            returned: r.as_ref().map(Returned::from_lapin),
+                        },
+                        Ok(Confirmation::NotRequested) => {
+                            Answer::Lost(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+                                lapin::ChannelState::Initial,
+                                "channel is not in confirm mode",
+                            )))
+                        }
+                        Err(e) => Answer::Lost(e),
                     }
-                    Err(e) => Answer::Lost(e),
-                }
+                };
+                (j, answer.await)
             });
         }
 
-        let answers =
-            match tokio::time::timeout(self.settings.confirm_timeout, join_all(pending)).await {
-                Ok(answers) => answers,
-                Err(_) => {
-                    self.drop_link().await;
-                    return Err(PublishError::msg(format!(
-                        "no confirms from rabbitmq within {:?}",
-                        self.settings.confirm_timeout
-                    )));
+        // The confirms, as they come, until the last, the deadline, a lost
+        // connection, or confirm_timeout without any confirm on the
+        // connection.
+        let mut answers: Vec<Option<Answer>> = Vec::new();
+        answers.resize_with(sent.len(), || None);
+        let mut answered = 0usize;
+        let mut lost = None;
+        // One timer for the batch, moved on only when it fires: the
+        // confirms arrive with no timer work each.
+        let mut since = started;
+        let quiet = tokio::time::sleep_until((since + self.settings.confirm_timeout).min(deadline));
+        tokio::pin!(quiet);
+        let cut = loop {
+            tokio::select! {
+                biased;
+                next = pending.next() => match next {
+                    None => break None,
+                    Some((_, Answer::Lost(e))) => {
+                        lost = Some(e);
+                        break None;
+                    }
+                    Some((j, answer)) => {
+                        self.note_progress();
+                        answers[j] = Some(answer);
+                        answered += 1;
+                    }
+                },
+                () = &mut quiet => {
+                    if tokio::time::Instant::now() >= deadline {
+                        break Some(format!(
+                            "rabbitmq had confirmed {answered} of {} messages when the batch's time ran out ({:?})",
+                            sent.len(),
+                            deadline - started
+                        ));
+                    }
+                    // Confirmed anything meanwhile, this batch or another:
+                    // the link is alive.
+                    let last = self.last_progress();
+                    if last <= since {
+                        break Some(format!(
+                            "no confirms from rabbitmq within {:?}",
+                            self.settings.confirm_timeout
+                        ));
+                    }
+                    since = last;
+                    quiet.as_mut().reset((since + self.settings.confirm_timeout).min(deadline));
                 }
-            };
-        for answer in &answers {
-            if let Answer::Lost(e) = answer {
-                self.learn_size_limit(e);
             }
+        };
+        if let Some(e) = &lost {
+            self.learn_size_limit(e);
         }
         if let Some(e) = failed {
             // A channel the broker closed mid-batch fails the publishes after
             // the close with a bare "channel closed"; its reason (a size limit,
             // say) reached only the confirms already handed over, read above.
             self.learn_size_limit(&e);
+            if cut.is_some() {
+                self.drop_link().await;
+            }
             return Err(PublishError::new("publish failed", e));
         }
-        for (i, outcome) in correlate(&sent, answers)? {
-            outcomes[i] = Some(outcome);
+        if cut.is_none() && lost.is_none() {
+            let all = answers
+                .into_iter()
+                .map(|a| a.expect("every confirm arrived"))
+                .collect();
+            for (i, outcome) in correlate(&sent, all)? {
+                outcomes[i] = Some(outcome);
+            }
+            drop(pending);
+            self.pace.speed_up(started.elapsed(), deadline - started);
+            self.give_back(&connection, channel).await;
+        } else {
+            // Cut short, or the connection lost: what the broker confirmed
+            // stands, the rest goes again later, its keys behind it. Which
+            // confirms count: those that had arrived before any confirm
+            // frame then being handled was done, since lapin hands a return
+            // to whichever confirm of that frame it completes next. lapin
+            // completes each frame's confirms under the channel's lock, so
+            // taking that lock once ends the frame in progress, and the
+            // confirms that arrived by then carry every return of the
+            // counted ones.
+            let trusted: Vec<bool> = answers.iter().map(Option::is_some).collect();
+            let _ = channel.wait_for_confirms().now_or_never();
+            while let Some(Some((j, answer))) = pending.next().now_or_never() {
+                if matches!(answer, Answer::Confirmed { .. }) {
+                    answers[j] = Some(answer);
+                }
+            }
+            drop(pending);
+            let confirmed = trusted.iter().filter(|t| **t).count();
+            let reason = match (&cut, &lost) {
+                (Some(reason), _) => reason.clone(),
+                (None, Some(e)) => format!("connection lost before confirm: {e}"),
+                (None, None) => unreachable!("checked above"),
+            };
+            if cut.is_some() {
+                // Frames of this batch may still be queued on the
+                // connection: dropping it bounds the copies to what already
+                // left. On a connection the broker blocked (a resource
+                // alarm) the batch fails whole, as in any outage: the
+                // broker is down, not slow.
+                let blocked = connection.status().blocked();
+                self.drop_link().await;
+                if confirmed == 0 || blocked {
+                    return Err(PublishError::msg(reason));
+                }
+                let delivered = sent
+                    .iter()
+                    .zip(&trusted)
+                    .filter(|(_, t)| **t)
+                    .map(|((i, _), _)| batch[*i].payload.len())
+                    .sum();
+                self.pace.slow_down(delivered, "rabbitmq");
+            } else if confirmed == 0 {
+                return Err(PublishError::new(
+                    "connection lost before confirm",
+                    lost.expect("a lost connection, cut is none"),
+                ));
+            }
+            for (i, outcome) in correlate_cut(&sent, answers, &trusted)? {
+                outcomes[i] = Some(outcome);
+            }
+            for (i, _) in &sent {
+                outcomes[*i].get_or_insert_with(|| Err(Rejection::unanswered(reason.clone())));
+            }
         }
-        self.give_back(&connection, channel).await;
         // Every slot was filled above: either refused before sending or answered.
         Ok(outcomes
             .into_iter()

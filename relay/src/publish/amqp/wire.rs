@@ -114,11 +114,28 @@ pub(super) fn correlate(
     sent: &[(usize, String)],
     answers: Vec<Answer>,
 ) -> Result<Vec<(usize, Verdict)>, PublishError> {
+    let trusted = vec![true; answers.len()];
+    correlate_cut(sent, answers.into_iter().map(Some).collect(), &trusted)
+}
+
+/// [`correlate`] for a batch cut short: `answers[j]` is the confirm of
+/// `sent[j]` if it arrived, and only those with `trusted[j]` may count as
+/// published. The caller trusts the confirms that had arrived before every
+/// confirm frame then being handled was done, and passes every confirm that
+/// arrived by then, so that a return carried by another message's confirm
+/// of the same frame is seen. Messages without an outcome here went
+/// unanswered. A return that names a message whose confirm did not arrive
+/// refuses it all the same.
+pub(super) fn correlate_cut(
+    sent: &[(usize, String)],
+    answers: Vec<Option<Answer>>,
+    trusted: &[bool],
+) -> Result<Vec<(usize, Verdict)>, PublishError> {
     let mut returns: HashMap<String, String> = HashMap::new();
-    let mut confirmed = Vec::with_capacity(answers.len());
+    let mut acked = Vec::with_capacity(answers.len());
     for answer in answers {
         match answer {
-            Answer::Confirmed { acked, returned } => {
+            Some(Answer::Confirmed { acked: a, returned }) => {
                 if let Some(r) = returned {
                     let Some(id) = r.message_id else {
                         return Err(PublishError::msg(
@@ -127,17 +144,22 @@ pub(super) fn correlate(
                     };
                     returns.insert(id, r.reason);
                 }
-                confirmed.push(acked);
+                acked.push(Some(a));
             }
-            Answer::Lost(e) => return Err(PublishError::new("connection lost before confirm", e)),
+            Some(Answer::Lost(e)) => {
+                return Err(PublishError::new("connection lost before confirm", e))
+            }
+            None => acked.push(None),
         }
     }
     let mut outcomes = Vec::with_capacity(sent.len());
-    for ((i, id), acked) in sent.iter().zip(confirmed) {
-        let outcome = match returns.remove(id) {
-            Some(reason) => Err(Rejection::retryable(reason)),
-            None if acked => Ok(Receipt::Amqp),
-            None => Err(Rejection::retryable("nacked by rabbitmq")),
+    for (j, (i, id)) in sent.iter().enumerate() {
+        let outcome = match (returns.remove(id), acked.get(j).copied().flatten()) {
+            (Some(reason), _) => Err(Rejection::retryable(reason)),
+            (None, Some(_)) if !trusted.get(j).copied().unwrap_or(false) => continue,
+            (None, Some(true)) => Ok(Receipt::Amqp),
+            (None, Some(false)) => Err(Rejection::retryable("nacked by rabbitmq")),
+            (None, None) => continue,
         };
         outcomes.push((*i, outcome));
     }
@@ -220,6 +242,48 @@ mod tests {
                 assert_eq!(outcome.is_err(), bad[i], "seed {seed}, message {i}");
             }
         }
+    }
+
+    fn acked(returned: Option<Returned>) -> Option<Answer> {
+        Some(Answer::Confirmed {
+            acked: true,
+            returned,
+        })
+    }
+
+    /// A batch cut short: `a`'s ack came before the cut, and the return
+    /// naming it rode on `b`'s ack of the same frame, which came after.
+    /// `a` is refused, `b` (not trusted) gets no outcome, `c` (no confirm)
+    /// none either, and `d`, whose confirm never came but whose return
+    /// did, is refused.
+    #[test]
+    fn a_cut_batch_counts_a_confirm_only_with_every_return_it_could_carry() {
+        let sent: Vec<(usize, String)> = ["a", "b", "c", "d", "e"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (i, (*id).to_owned()))
+            .collect();
+        let answers = vec![
+            acked(None),
+            acked(returned("a")),
+            None,
+            None,
+            acked(returned("d")),
+        ];
+        let trusted = [true, false, false, false, true];
+        let outcomes = correlate_cut(&sent, answers, &trusted).expect("consistent");
+        let by_index: HashMap<usize, Verdict> = outcomes.into_iter().collect();
+        assert!(
+            matches!(&by_index[&0], Err(r) if !r.unanswered),
+            "{by_index:?}"
+        );
+        assert!(
+            matches!(&by_index[&3], Err(r) if !r.unanswered),
+            "{by_index:?}"
+        );
+        assert_eq!(by_index[&4], Ok(Receipt::Amqp), "{by_index:?}");
+        assert!(!by_index.contains_key(&1), "untrusted: {by_index:?}");
+        assert!(!by_index.contains_key(&2), "unanswered: {by_index:?}");
     }
 
     #[test]

@@ -16,12 +16,15 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use futures::channel::oneshot;
 use futures::future::join_all;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseRecord, Producer};
 
 use super::cloudevents::CloudEvents;
+use super::pace::Pace;
 use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 
 mod producer;
@@ -39,6 +42,8 @@ pub struct KafkaPublisher {
     producer: RwLock<Arc<KafkaProducer>>,
     /// CloudEvents binary mode, when on: `ce_` headers on every record.
     cloudevents: Option<CloudEvents>,
+    /// The batch size a slow link can deliver within the message timeout.
+    pace: Pace,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -57,6 +62,7 @@ impl KafkaPublisher {
             settings,
             producer: RwLock::new(Arc::new(producer)),
             cloudevents: None,
+            pace: Pace::default(),
         })
     }
 
@@ -112,7 +118,12 @@ impl KafkaPublisher {
 }
 
 impl Publisher for KafkaPublisher {
+    fn batch_bytes(&self) -> Option<usize> {
+        self.pace.limit()
+    }
+
     async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
+        let started = Instant::now();
         let producer = self.producer();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         let mut pending = Vec::with_capacity(batch.len());
@@ -137,7 +148,7 @@ impl Publisher for KafkaPublisher {
                 record = record.key(key.as_bytes());
             }
             match producer.inner.send(record) {
-                Ok(()) => pending.push(async move { (i, delivery.await) }),
+                Ok(()) => pending.push(async move { (i, delivery.await, Instant::now()) }),
                 Err((e, _)) if rejection(&e).is_some() => {
                     if let Some(k) = key {
                         refused.insert(k);
@@ -158,7 +169,20 @@ impl Publisher for KafkaPublisher {
         // Records that failed with an error not of their own, by index.
         let mut unanswered = Vec::new();
         let mut without_offset = 0usize;
-        for (i, report) in join_all(pending).await {
+        // For the pace: payload bytes delivered, when the last of them was,
+        // and whether any record timed out.
+        let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
+        for (i, report, at) in join_all(pending).await {
+            match &report {
+                Ok(Ok((_, offset))) if *offset >= 0 => {
+                    delivered += batch[i].payload.len();
+                    last_delivery = last_delivery.max(at);
+                }
+                Ok(Err(e)) => {
+                    timed_out |= e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut);
+                }
+                _ => {}
+            }
             outcomes[i] = Some(match report {
                 // librdkafka reports the records of a request that failed with
                 // an uncertain outcome as delivered, with no offset, once a
@@ -186,6 +210,17 @@ impl Publisher for KafkaPublisher {
                     continue;
                 }
             });
+        }
+        // Records timed out while others of the batch were still being
+        // delivered past half the message timeout: the link delivers fewer
+        // bytes in that time than the batches in flight hold. (A partition
+        // without a leader shows no such late deliveries: the other
+        // partitions' records come back at once.)
+        if timed_out && last_delivery - started >= self.settings.message_timeout / 2 {
+            self.pace.slow_down(delivered, "kafka");
+        } else if batch_error.is_none() && without_offset == 0 {
+            self.pace
+                .speed_up(started.elapsed(), self.settings.message_timeout);
         }
         if let Some(e) = batch_error {
             self.recover_if_stuck(&producer, Some(&e));

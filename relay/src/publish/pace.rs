@@ -1,0 +1,101 @@
+//! How large a batch a slow link can carry in time.
+//!
+//! A link to the broker slower than the batches in flight (a saturated
+//! network, RabbitMQ reading slowly under flow control) cuts them short at
+//! their deadline. What the broker had not confirmed by then is sent again
+//! later, and whatever of it had already left arrives twice. Sent again as
+//! large, every batch would be cut the same way. So a publisher that sees
+//! a batch cut short while the broker was still confirming asks for smaller
+//! batches ([`super::Publisher::batch_bytes`]), and for larger ones again as
+//! batches go through with time to spare.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// The smallest batch, in payload bytes, that a slow link is paced down to
+/// (a larger message still goes alone).
+const MIN_BYTES: usize = 16 * 1024;
+
+/// Past this, pacing no longer limits any batch the relay's flags allow.
+const UNLIMITED_FROM: usize = 1 << 30;
+
+/// A publisher's batch size limit in payload bytes, none until a batch is
+/// cut short.
+#[derive(Debug, Default)]
+pub struct Pace {
+    bytes: AtomicUsize,
+}
+
+impl Pace {
+    /// The limit, if any.
+    pub fn limit(&self) -> Option<usize> {
+        match self.bytes.load(Ordering::Relaxed) {
+            0 => None,
+            bytes => Some(bytes),
+        }
+    }
+
+    /// A batch was cut short with `delivered` payload bytes through: later
+    /// batches carry a quarter of that (the pipeline's other batches shared
+    /// the link with this one), never more than the limit already set.
+    /// `broker` names it in the log line.
+    pub fn slow_down(&self, delivered: usize, broker: &str) {
+        let bytes = (delivered / 4).max(MIN_BYTES);
+        let before = self.bytes.load(Ordering::Relaxed);
+        if before == 0 || bytes < before {
+            self.bytes.store(bytes, Ordering::Relaxed);
+            tracing::warn!(
+                batch_bytes = bytes,
+                delivered,
+                "{broker} takes messages slower than the batches in flight can wait; smaller batches until it keeps up"
+            );
+        }
+    }
+
+    /// A batch went through whole in `took` of the `allowed` time: under a
+    /// quarter of it, the limit grows by a quarter, and is lifted once past
+    /// any batch the relay would claim.
+    pub fn speed_up(&self, took: Duration, allowed: Duration) {
+        let bytes = self.bytes.load(Ordering::Relaxed);
+        if bytes == 0 || took >= allowed / 4 {
+            return;
+        }
+        let next = bytes + bytes / 4;
+        let next = if next >= UNLIMITED_FROM { 0 } else { next };
+        let _ = self
+            .bytes
+            .compare_exchange(bytes, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn shrinks_to_a_quarter_of_what_got_through_and_grows_back_with_time_to_spare() {
+        let pace = Pace::default();
+        pace.speed_up(Duration::ZERO, SECOND);
+        assert_eq!(pace.limit(), None, "no limit until a batch is cut short");
+        pace.slow_down(400_000, "test");
+        assert_eq!(pace.limit(), Some(100_000));
+        pace.slow_down(800_000, "test");
+        assert_eq!(pace.limit(), Some(100_000), "never raised by a cut");
+        pace.slow_down(1_000, "test");
+        assert_eq!(pace.limit(), Some(MIN_BYTES), "never below the floor");
+        pace.speed_up(SECOND / 4, SECOND);
+        assert_eq!(
+            pace.limit(),
+            Some(MIN_BYTES),
+            "a quarter of the time is not to spare"
+        );
+        pace.speed_up(SECOND / 5, SECOND);
+        assert_eq!(pace.limit(), Some(MIN_BYTES + MIN_BYTES / 4));
+        for _ in 0..100 {
+            pace.speed_up(Duration::ZERO, SECOND);
+        }
+        assert_eq!(pace.limit(), None, "lifted once past any batch");
+    }
+}
