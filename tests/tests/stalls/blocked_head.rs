@@ -336,3 +336,97 @@ async fn later_rows_due_before_their_head_do_not_stop_the_claims() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// A row set aside again, for longer (its retry's backoff grew, or its
+/// batch waited out another outage), takes the rows of its key already set
+/// aside behind it along: their times become its own. Left earlier, they
+/// came due before it; the claim's scan of due rows goes in order of time,
+/// so every claim took them first, each blocked, and they crowded the rows
+/// of other keys out of it (after a Kafka partition's outage, a hot key's
+/// backlog drained a few rows per batch, and the other keys' fresh rows
+/// behind it with them). Rows of other keys, and fresh rows of the key, are
+/// left as they are.
+#[tokio::test]
+async fn a_head_set_aside_again_keeps_its_key_behind_it() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let message = |key: &str| {
+        Message::builder("anywhere")
+            .key(key)
+            .payload(b"x".to_vec())
+            .build()
+            .expect("valid")
+    };
+    let mut messages: Vec<Message> = (0..50).map(|_| message("k")).collect();
+    messages.extend((0..10).map(|_| message("other")));
+    messages.extend((0..10).map(|_| message("k")));
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    let table = db.table();
+    // The head and the other key's rows due now; the head's 49 followers
+    // set aside behind it until a second from now; the key's last 10 fresh.
+    db.client
+        .batch_execute(&format!(
+            "UPDATE {table} SET next_attempt_at = now() \
+              WHERE ordering_key = 'other' OR seq = (SELECT min(seq) FROM {table}); \
+             UPDATE {table} SET next_attempt_at = now() + interval '1 second' \
+              WHERE ordering_key = 'k' AND seq > (SELECT min(seq) FROM {table}) \
+                AND seq < (SELECT min(seq) FROM {table} WHERE ordering_key = 'other');"
+        ))
+        .await
+        .expect("set the rows aside");
+    let head: i64 = db
+        .client
+        .query_one(&format!("SELECT min(seq) FROM {table}"), &[])
+        .await
+        .expect("head")
+        .get(0);
+    let queries = outbox_relay::source::claim::Queries::new(&db.schema, false, false);
+    // Once through an outage's hold, once through a failed attempt's backoff.
+    for (name, minutes) in [("note_batch_error", 5.0), ("fail", 10.0)] {
+        let secs = minutes * 60.0;
+        match name {
+            "note_batch_error" => queries
+                .note_batch_error(
+                    &db.client,
+                    &[head],
+                    "partition offline",
+                    Some(Duration::from_secs_f64(secs)),
+                )
+                .await
+                .expect("note"),
+            _ => queries
+                .fail(
+                    &db.client,
+                    &[(head, "refused".to_owned(), Duration::from_secs_f64(secs))],
+                )
+                .await
+                .expect("fail"),
+        };
+        let rows = db
+            .client
+            .query(
+                &format!(
+                    "SELECT ordering_key, count(*) FILTER (WHERE next_attempt_at = '-infinity'), \
+                            count(*) FILTER (WHERE next_attempt_at >= now() + make_interval(secs => $1) - interval '5 seconds'), \
+                            count(*) \
+                     FROM {table} WHERE seq <> $2 GROUP BY 1 ORDER BY 1"
+                ),
+                &[&secs, &head],
+            )
+            .await
+            .expect("times");
+        let counts: Vec<(String, i64, i64, i64)> = rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+            .collect();
+        assert_eq!(
+            counts,
+            vec![("k".to_owned(), 10, 49, 59), ("other".to_owned(), 0, 0, 10)],
+            "after {name}: (key, fresh, behind the head's new time, rows)"
+        );
+    }
+    db.cleanup().await;
+}

@@ -282,7 +282,10 @@ impl Queries {
         Ok(claimed)
     }
 
-    /// Sets rows aside until the given times (never brings one forward).
+    /// Sets rows aside until the given times (never brings one forward),
+    /// with the rows of their keys already set aside behind them that would
+    /// come due sooner (see `statements::keep_behind`); returns how many of
+    /// `holds` moved.
     pub async fn hold(
         &self,
         tx: &Client,
@@ -293,7 +296,7 @@ impl Queries {
         }
         let seqs: Vec<i64> = holds.iter().map(|h| h.0).collect();
         let until: Vec<SystemTime> = holds.iter().map(|h| h.1).collect();
-        tx.execute(self.hold.as_str(), &[&seqs, &until]).await
+        counted(tx.query_one(self.hold.as_str(), &[&seqs, &until]).await)
     }
 
     /// Deletes rows the broker confirmed.
@@ -339,7 +342,8 @@ impl Queries {
             .await
     }
 
-    /// Records one attempt's failure per row and schedules the next attempt.
+    /// Records one attempt's failure per row and schedules the next attempt;
+    /// the rows of their keys set aside behind them wait at least as long.
     pub async fn fail(
         &self,
         tx: &Client,
@@ -351,8 +355,10 @@ impl Queries {
         let seqs: Vec<i64> = failures.iter().map(|f| f.0).collect();
         let errors: Vec<&str> = failures.iter().map(|f| f.1.as_str()).collect();
         let delays: Vec<f64> = failures.iter().map(|f| f.2.as_secs_f64()).collect();
-        tx.execute(self.fail.as_str(), &[&seqs, &errors, &delays])
-            .await
+        counted(
+            tx.query_one(self.fail.as_str(), &[&seqs, &errors, &delays])
+                .await,
+        )
     }
 
     /// Moves rows to the dead letters with their final error.
@@ -373,7 +379,8 @@ impl Queries {
     /// Records a failure of the broker's (unreachable, or a partition
     /// without a leader) on rows it did not answer and, with a `hold`, sets
     /// them aside for that long, their keys behind them, without counting
-    /// an attempt: an outage is not the message's fault.
+    /// an attempt: an outage is not the message's fault. The rows of their
+    /// keys set aside behind them wait at least as long.
     pub async fn note_batch_error(
         &self,
         tx: &Client,
@@ -382,9 +389,16 @@ impl Queries {
         hold: Option<Duration>,
     ) -> Result<u64, tokio_postgres::Error> {
         let hold = hold.map(|h| h.as_secs_f64());
-        tx.execute(self.note_batch_error.as_str(), &[&seqs, &error, &hold])
-            .await
+        counted(
+            tx.query_one(self.note_batch_error.as_str(), &[&seqs, &error, &hold])
+                .await,
+        )
     }
+}
+
+/// The count a statement built by `statements::keep_behind` returns.
+fn counted(row: Result<Row, tokio_postgres::Error>) -> Result<u64, tokio_postgres::Error> {
+    Ok(u64::try_from(row?.try_get::<_, i64>(0)?).unwrap_or(0))
 }
 
 /// What the claim's first statement returns of one locked row: all but its

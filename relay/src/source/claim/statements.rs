@@ -113,10 +113,13 @@ impl Queries {
                 "SELECT seq, headers, payload FROM {t} WHERE seq = ANY($1::bigint[]) ORDER BY seq"
             ),
             paused: format!("SELECT now() AS now, ARRAY(SELECT destination FROM {pd}) AS paused"),
-            hold: format!(
-                "UPDATE {t} AS m SET next_attempt_at = u.until \
-                 FROM unnest($1::bigint[], $2::timestamptz[]) AS u(seq, until) \
-                 WHERE m.seq = u.seq AND m.next_attempt_at < u.until"
+            hold: keep_behind(
+                &t,
+                &format!(
+                    "UPDATE {t} AS m SET next_attempt_at = u.until \
+                     FROM unnest($1::bigint[], $2::timestamptz[]) AS u(seq, until) \
+                     WHERE m.seq = u.seq AND m.next_attempt_at < u.until"
+                ),
             ),
             dead_letter: format!(
                 "WITH f AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS f(seq, err)), \
@@ -127,19 +130,25 @@ impl Queries {
                         content_type, event_type, created_at, attempts + 1, err, now() FROM moved"
             ),
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
-            fail: format!(
-                "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = u.err, \
-                    last_attempt_at = statement_timestamp(), \
-                    next_attempt_at = statement_timestamp() + make_interval(secs => u.delay) \
-                 FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS u(seq, err, delay) \
-                 WHERE m.seq = u.seq"
+            fail: keep_behind(
+                &t,
+                &format!(
+                    "UPDATE {t} AS m SET attempts = m.attempts + 1, last_error = u.err, \
+                        last_attempt_at = statement_timestamp(), \
+                        next_attempt_at = statement_timestamp() + make_interval(secs => u.delay) \
+                     FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS u(seq, err, delay) \
+                     WHERE m.seq = u.seq"
+                ),
             ),
-            note_batch_error: format!(
-                "UPDATE {t} SET last_error = $2, last_attempt_at = now(), \
-                    next_attempt_at = CASE WHEN $3::float8 IS NULL THEN next_attempt_at \
-                        ELSE greatest(next_attempt_at, \
-                                      statement_timestamp() + make_interval(secs => $3)) END \
-                 WHERE seq = ANY($1)"
+            note_batch_error: keep_behind(
+                &t,
+                &format!(
+                    "UPDATE {t} AS m SET last_error = $2, last_attempt_at = now(), \
+                        next_attempt_at = CASE WHEN $3::float8 IS NULL THEN next_attempt_at \
+                            ELSE greatest(next_attempt_at, \
+                                          statement_timestamp() + make_interval(secs => $3)) END \
+                     WHERE m.seq = ANY($1)"
+                ),
             ),
             // Names the newest column, so a schema a migration behind is refused
             // at start-up rather than at the first claim.
@@ -166,4 +175,35 @@ impl Queries {
             ),
         }
     }
+}
+
+/// `update` (which sets new times on the rows whose seqs are `$1`), then
+/// the same time on the rows waiting behind each of them that would come
+/// due sooner: later rows of its key already set aside (waiting out an
+/// earlier time behind it). Returns how many rows `update` changed.
+///
+/// Left as they were, those rows would come due before the row they wait
+/// for, and the claim's scan of due rows, which goes in order of time,
+/// would take them first: each blocked, they crowd the rows of other keys
+/// out of a claim (CHANGELOG.md: after a Kafka partition's outage, a hot
+/// key drained a few rows per batch and every other key waited). Rows
+/// another transaction holds (claimed, in flight) are skipped; rows not
+/// yet set aside (fresh) wait for the claim to set them aside behind the
+/// row, as always.
+fn keep_behind(table: &str, update: &str) -> String {
+    format!(
+        "WITH b AS ({update} RETURNING m.ordering_key, m.seq, m.next_attempt_at), \
+         k AS (SELECT ordering_key AS key, min(seq) AS head, max(next_attempt_at) AS until \
+               FROM b WHERE ordering_key IS NOT NULL AND next_attempt_at > '-infinity' \
+               GROUP BY ordering_key), \
+         behind AS (SELECT w.seq, k.until FROM k CROSS JOIN LATERAL ( \
+               SELECT f.seq FROM {table} f \
+               WHERE f.ordering_key = k.key AND f.seq > k.head \
+                 AND f.next_attempt_at <> '-infinity' AND f.next_attempt_at < k.until \
+                 AND f.seq <> ALL($1::bigint[]) \
+               FOR UPDATE SKIP LOCKED) w), \
+         pushed AS (UPDATE {table} AS m SET next_attempt_at = behind.until \
+               FROM behind WHERE m.seq = behind.seq) \
+         SELECT count(*) FROM b"
+    )
 }
