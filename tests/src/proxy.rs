@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// What the proxy does with connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +39,8 @@ pub struct Proxy {
     /// Bytes per second forwarded from client to upstream while passing; 0
     /// for no limit.
     rate: Arc<AtomicU64>,
+    /// Milliseconds each chunk from upstream to client is held back.
+    delay: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -54,8 +57,9 @@ impl Proxy {
         let (tx, _) = watch::channel(Mode::Pass);
         let mode = Arc::new(tx);
         let rate = Arc::new(AtomicU64::new(0));
+        let delay = Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_owned();
-        let (m, r) = (Arc::clone(&mode), Arc::clone(&rate));
+        let (m, r, d) = (Arc::clone(&mode), Arc::clone(&rate), Arc::clone(&delay));
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -63,13 +67,18 @@ impl Proxy {
                 };
                 let rx = m.subscribe();
                 let upstream = upstream.clone();
-                tokio::spawn(serve(client, upstream, rx, Arc::clone(&r)));
+                let link = Link {
+                    rate: Arc::clone(&r),
+                    delay: Arc::clone(&d),
+                };
+                tokio::spawn(serve(client, upstream, rx, link));
             }
         });
         Proxy {
             port,
             mode,
             rate,
+            delay,
             task,
         }
     }
@@ -86,6 +95,22 @@ impl Proxy {
     pub fn throttle(&self, bytes_per_second: u64) {
         self.rate.store(bytes_per_second, Ordering::Relaxed);
     }
+
+    /// Holds every chunk coming back from the upstream for `delay` before
+    /// passing it on (zero: none), open connections included, without
+    /// slowing the stream: a broker that takes that long to answer, such as
+    /// RabbitMQ confirming only after a slow disk's fsync. Bytes keep their
+    /// order; a shorter delay takes effect behind what is already held.
+    pub fn delay_answers(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.delay.store(ms, Ordering::Relaxed);
+    }
+}
+
+/// How a proxied connection is slowed, shared with the proxy's handle.
+struct Link {
+    rate: Arc<AtomicU64>,
+    delay: Arc<AtomicU64>,
 }
 
 impl Drop for Proxy {
@@ -98,7 +123,7 @@ async fn serve(
     mut client: TcpStream,
     upstream: String,
     mut mode: watch::Receiver<Mode>,
-    rate: Arc<AtomicU64>,
+    link: Link,
 ) {
     let current = *mode.borrow_and_update();
     match current {
@@ -113,7 +138,7 @@ async fn serve(
                 return;
             };
             tokio::select! {
-                _ = forward(&mut client, &mut server, &rate) => {}
+                _ = forward(&mut client, &mut server, &link) => {}
                 _ = wait_until_not_pass(&mut mode) => {
                     let now = *mode.borrow();
                     match now {
@@ -133,8 +158,10 @@ async fn serve(
 }
 
 /// Copies both ways until either side closes, the client's bytes at no more
-/// than `rate` per second when it is set.
-async fn forward(client: &mut TcpStream, server: &mut TcpStream, rate: &AtomicU64) {
+/// than `link.rate` per second when it is set, the upstream's each held for
+/// `link.delay`.
+async fn forward(client: &mut TcpStream, server: &mut TcpStream, link: &Link) {
+    let (rate, delay) = (&*link.rate, &*link.delay);
     let (mut client_rx, mut client_tx) = client.split();
     let (mut server_rx, mut server_tx) = server.split();
     let up = async {
@@ -155,9 +182,33 @@ async fn forward(client: &mut TcpStream, server: &mut TcpStream, rate: &AtomicU6
         }
         let _ = server_tx.shutdown().await;
     };
-    let down = async {
-        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+    // A delay line: chunks are read as they come and written when due, so
+    // a delay adds latency without limiting the rate.
+    let (held, mut due) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let read_down = async move {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match server_rx.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let at = Instant::now() + Duration::from_millis(delay.load(Ordering::Relaxed));
+            if held.send((at, buf[..n].to_vec())).is_err() {
+                break;
+            }
+        }
+    };
+    let write_down = async {
+        while let Some((at, bytes)) = due.recv().await {
+            tokio::time::sleep_until(at).await;
+            if client_tx.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
         let _ = client_tx.shutdown().await;
+    };
+    let down = async {
+        tokio::join!(read_down, write_down);
     };
     tokio::join!(up, down);
 }

@@ -1,4 +1,5 @@
-//! The link between relay and broker black-holed, then reset.
+//! The link between relay and broker black-holed then reset, slowed, or slow
+//! to bring the broker's answers back.
 
 use std::time::{Duration, Instant};
 
@@ -73,35 +74,47 @@ const SLOW_LINK: u64 = 100_000;
 /// hold limit (5 s). The relay must keep publishing at the link's pace
 /// while it is slow, and repeat no more than one cut-short set of batches.
 async fn slow_link(db: TestDb, sink: Sink, proxy: &Proxy) {
-    outbox_tests::init_logging();
-    let started = Instant::now();
-    let via = format!("127.0.0.1:{}", proxy.port);
-    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
-    proxy.throttle(SLOW_LINK);
     let spec = Spec {
         pad: 4_000,
         ..spec(&sink, 600)
     };
-    let written = workload::spawn(&db, spec).await.expect("writers");
     // About 2.5 MB: 25 s at the link's pace.
+    let what = format!("link slowed to {SLOW_LINK} bytes/s");
+    let bound = BATCH * (PIPELINE + 1);
+    drain_while_slow(db, sink, proxy, spec, &what, bound, |p, on| {
+        p.throttle(if on { SLOW_LINK } else { 0 })
+    })
+    .await;
+}
+
+/// Starts a relay behind `proxy`, slows the proxy with `slow(proxy, true)`,
+/// writes `spec`, and requires the outbox to drain while it stays slow; then
+/// lifts the slowness and judges the run against `bound` duplicates.
+async fn drain_while_slow(
+    db: TestDb,
+    sink: Sink,
+    proxy: &Proxy,
+    spec: Spec,
+    what: &str,
+    bound: usize,
+    slow: impl Fn(&Proxy, bool),
+) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let via = format!("127.0.0.1:{}", proxy.port);
+    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
+    slow(proxy, true);
+    let written = workload::spawn(&db, spec).await.expect("writers");
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
     let left = db.pending().await;
-    proxy.throttle(0);
+    slow(proxy, false);
     assert!(
         drained,
-        "{left} of {} rows still waiting after {PATIENCE:?} on a link of {SLOW_LINK} bytes/s",
+        "{left} of {} rows still waiting after {PATIENCE:?} with the {what}",
         written.committed.len()
     );
-    let bound = BATCH * (PIPELINE + 1);
-    settle_within(
-        &db,
-        &sink,
-        &written,
-        &format!("{}: link slowed to {SLOW_LINK} bytes/s", sink.broker()),
-        started,
-        bound,
-    )
-    .await;
+    let name = format!("{}: {what}", sink.broker());
+    settle_within(&db, &sink, &written, &name, started, bound).await;
     stop(relay).await;
     sink.cleanup().await;
     db.cleanup().await;
@@ -117,5 +130,40 @@ async fn s07_amqp_slow_link_to_the_broker() {
 async fn s07_kafka_slow_link_to_the_broker() {
     let (tansu, proxy, brokers) = tansu_behind_proxy().await;
     slow_link(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
+}
+
+/// How late every answer of the broker of scenario 8 arrives: a sixth of
+/// the confirm timeout (3 s).
+const SLOW_ANSWERS: Duration = Duration::from_millis(500);
+
+/// Scenario 8: everything the broker sends back (confirms, delivery reports,
+/// metadata, handshakes) arrives `SLOW_ANSWERS` late, from the relay's
+/// start, while the link carries bytes at full speed: a broker that
+/// confirms only after a slow disk's fsync, or a link with a long round
+/// trip. Connecting and opening channels take a few such round trips, and
+/// each batch waits one for its confirms. The outbox must drain with
+/// nothing lost or out of order. Only the first batches, whose time the
+/// set-up's round trips eat, may be cut short and repeat.
+async fn slow_answers(db: TestDb, sink: Sink, proxy: &Proxy) {
+    let spec = spec(&sink, 600);
+    let what = format!("broker's answers {SLOW_ANSWERS:?} late");
+    let bound = BATCH * (PIPELINE + 1);
+    drain_while_slow(db, sink, proxy, spec, &what, bound, |p, on| {
+        p.delay_answers(if on { SLOW_ANSWERS } else { Duration::ZERO })
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn s08_amqp_broker_answers_late() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    slow_answers(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+#[tokio::test]
+async fn s08_kafka_broker_answers_late() {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    slow_answers(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
     tansu.stop().await;
 }
