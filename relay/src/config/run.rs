@@ -105,8 +105,8 @@ pub struct RunArgs {
     /// Cap on the delay between reconnect attempts to Postgres or the broker.
     #[arg(long, env = "OUTBOX_RECONNECT_MAX", default_value = "10s", value_parser = parse_duration)]
     pub reconnect_max: Duration,
-    /// Longest a batch waits while the broker confirms nothing at all; past
-    /// it the connection is presumed dead, reopened, and what was not
+    /// Longest a sent batch waits while the broker confirms nothing at all;
+    /// past it the connection is presumed dead, reopened, and what was not
     /// confirmed sent again. A broker still confirming is waited for up to
     /// a little before half --hold-limit. On Kafka this is
     /// message.timeout.ms.

@@ -292,8 +292,11 @@ impl Publisher for AmqpPublisher {
         let mut answered = 0usize;
         let mut lost = None;
         // One timer for the batch, moved on only when it fires: the
-        // confirms arrive with no timer work each.
-        let mut since = started;
+        // confirms arrive with no timer work each. It starts once the batch
+        // is handed over: connecting and opening a channel, a round trip
+        // each to a broker that answers slowly, are not a wait for
+        // confirms (the worker's deadline bounds them).
+        let mut since = tokio::time::Instant::now();
         let quiet = tokio::time::sleep_until((since + self.settings.confirm_timeout).min(deadline));
         tokio::pin!(quiet);
         let cut = loop {
