@@ -11,6 +11,9 @@
 //!   so far (loses rows whose transaction commits late with a lower seq).
 //! - `OUTBOX_TEST_FAILPOINT=crash-after-ack:N`: abort the process once the
 //!   broker has confirmed the Nth batch, before the rows are deleted.
+//! - `OUTBOX_TEST_FAILPOINT=panic-in-ownership:N`: panic in the ownership
+//!   task at its Nth heartbeat (standing in for any bug that ends one of the
+//!   relay's own tasks).
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -52,20 +55,35 @@ pub fn apply_watermark(batch: Vec<Envelope>) -> Vec<Envelope> {
     kept
 }
 
+/// The count at which the failpoint `OUTBOX_TEST_FAILPOINT=<name>:N` is
+/// due, if that one is selected.
+fn failpoint(name: &str) -> Option<u64> {
+    std::env::var("OUTBOX_TEST_FAILPOINT").ok().and_then(|v| {
+        v.strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(':'))
+            .and_then(|n| n.parse().ok())
+    })
+}
+
 /// Aborts the process if the crash failpoint is due.
 pub fn after_ack() {
     static BATCHES: AtomicU64 = AtomicU64::new(0);
     static AT: OnceLock<Option<u64>> = OnceLock::new();
-    let at = *AT.get_or_init(|| {
-        std::env::var("OUTBOX_TEST_FAILPOINT").ok().and_then(|v| {
-            v.strip_prefix("crash-after-ack:")
-                .and_then(|n| n.parse().ok())
-        })
-    });
-    if let Some(at) = at {
+    if let Some(at) = *AT.get_or_init(|| failpoint("crash-after-ack")) {
         if BATCHES.fetch_add(1, Ordering::SeqCst) + 1 == at {
             eprintln!("failpoint crash-after-ack:{at} reached; aborting");
             std::process::abort();
+        }
+    }
+}
+
+/// Panics if the ownership failpoint is due; called at each heartbeat.
+pub fn ownership_beat() {
+    static BEATS: AtomicU64 = AtomicU64::new(0);
+    static AT: OnceLock<Option<u64>> = OnceLock::new();
+    if let Some(at) = *AT.get_or_init(|| failpoint("panic-in-ownership")) {
+        if BEATS.fetch_add(1, Ordering::SeqCst) + 1 == at {
+            panic!("failpoint panic-in-ownership:{at} reached");
         }
     }
 }

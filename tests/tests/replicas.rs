@@ -201,3 +201,24 @@ async fn a_killed_replicas_partitions_are_taken_over() {
     assert_eq!(b.wait().await, Some(0));
     db.cleanup().await;
 }
+
+/// A relay whose ownership task ends (here a panic at its third heartbeat,
+/// standing in for any bug) owns no partitions from then on: run on, it
+/// would claim nothing, and its workers, woken at once by the closed
+/// channel, would spin a core. It must stop instead, with an error, so that
+/// whatever supervises it starts it again.
+#[tokio::test]
+async fn a_relay_whose_ownership_task_dies_stops_with_an_error() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let mut env = replica_env(&db);
+    env.push(("OUTBOX_TEST_FAILPOINT", "panic-in-ownership:3".into()));
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let exited = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    let code = exited.expect("the relay ran on for 60 s without its ownership task");
+    assert!(
+        code.is_some_and(|c| c != 0),
+        "the relay should exit with an error, exited with {code:?}"
+    );
+    db.cleanup().await;
+}

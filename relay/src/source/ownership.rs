@@ -188,6 +188,8 @@ async fn own(
         if let Some(now) = stepped? {
             owned.send_replace(Arc::new(now));
         }
+        #[cfg(feature = "mutants")]
+        crate::mutants::ownership_beat();
     }
 }
 
