@@ -63,6 +63,16 @@ pub enum Error {
     /// The connection is not a session of its own (a transaction pooler).
     #[error(transparent)]
     Session(#[from] source::SessionError),
+    /// One of the relay's own tasks (ownership, LISTEN, the durability
+    /// barrier, ...) ended before shutdown, a bug; the relay stopped rather
+    /// than run on without it.
+    #[error("the relay's {task} task {how}; stopped so that it can be restarted")]
+    TaskEnded {
+        /// Which task.
+        task: &'static str,
+        /// "ended", or "panicked: <message>".
+        how: String,
+    },
 }
 
 impl From<tokio_postgres::Error> for Error {

@@ -173,65 +173,90 @@ impl<P: Publisher> Relay<P> {
 
         let idle = Idle::default();
         let tracker = TaskTracker::new();
-        tracker.spawn(listener::run(
-            self.pg.clone(),
-            self.schema.notify_channel(),
-            Arc::clone(&idle.work),
-            self.settings.reconnect_max,
-            shutdown.clone(),
-        ));
-        tracker.spawn(ownership::run(
-            self.pg.clone(),
-            self.schema.clone(),
-            OwnershipSettings {
-                lease: self.settings.lease,
-            },
-            owned_tx,
-            Arc::clone(&self.stats),
-            self.settings.reconnect_max,
-            shutdown.clone(),
-        ));
+        let essential = Essential::new(&shutdown);
+        essential.spawn(
+            &tracker,
+            "listen",
+            listener::run(
+                self.pg.clone(),
+                self.schema.notify_channel(),
+                Arc::clone(&idle.work),
+                self.settings.reconnect_max,
+                shutdown.clone(),
+            ),
+        );
+        essential.spawn(
+            &tracker,
+            "ownership",
+            ownership::run(
+                self.pg.clone(),
+                self.schema.clone(),
+                OwnershipSettings {
+                    lease: self.settings.lease,
+                },
+                owned_tx,
+                Arc::clone(&self.stats),
+                self.settings.reconnect_max,
+                shutdown.clone(),
+            ),
+        );
         // The longest a worker goes between two failed batches of one
         // outage: its broker backoff, then a batch that runs into its
         // deadline at half the hold limit.
         let quiet = self.settings.reconnect_max + self.settings.hold_limit / 2;
-        tracker.spawn(probe_broker(
-            Arc::clone(&self.publisher),
-            Arc::clone(&self.stats),
-            quiet,
-            shutdown.clone(),
-        ));
+        essential.spawn(
+            &tracker,
+            "broker probe",
+            probe_broker(
+                Arc::clone(&self.publisher),
+                Arc::clone(&self.stats),
+                quiet,
+                shutdown.clone(),
+            ),
+        );
         // Exported from the start, so a dashboard reads 0 rather than nothing.
         metrics::counter!(crate::metrics::RETENTION_DELETED).increment(0);
         if let Some(retention) = self.settings.retention {
-            tracker.spawn(retention::run(
-                self.pg.clone(),
-                queries.clone(),
-                retention,
-                self.settings.retention_cleanup_batch,
-                self.settings.reconnect_max,
-                shutdown.clone(),
-            ));
+            essential.spawn(
+                &tracker,
+                "retention",
+                retention::run(
+                    self.pg.clone(),
+                    queries.clone(),
+                    retention,
+                    self.settings.retention_cleanup_batch,
+                    self.settings.reconnect_max,
+                    shutdown.clone(),
+                ),
+            );
         }
         let floor = Arc::clone(&self.floor);
         if let Some(rescan) = self.settings.claim_floor_rescan {
-            tracker.spawn(floor::run(
-                self.pg.clone(),
-                self.schema.clone(),
-                Arc::clone(&floor),
-                rescan,
-                self.settings.reconnect_max,
-                shutdown.clone(),
-            ));
+            essential.spawn(
+                &tracker,
+                "claim floor",
+                floor::run(
+                    self.pg.clone(),
+                    self.schema.clone(),
+                    Arc::clone(&floor),
+                    rescan,
+                    self.settings.reconnect_max,
+                    shutdown.clone(),
+                ),
+            );
         }
         let durable = Arc::new(Durable::new());
-        tracker.spawn(durable::run(
-            self.pg.clone(),
-            Arc::clone(&durable),
-            self.settings.hold_limit,
-            self.settings.reconnect_max,
-            shutdown.clone(),
-        ));
+        essential.spawn(
+            &tracker,
+            "durability barrier",
+            durable::run(
+                self.pg.clone(),
+                Arc::clone(&durable),
+                self.settings.hold_limit,
+                self.settings.reconnect_max,
+                shutdown.clone(),
+            ),
+        );
         let store = Arc::new(PgStore::new(
             self.pg.clone(),
             queries.clone(),
@@ -256,7 +281,7 @@ impl<P: Publisher> Relay<P> {
             published = self.stats.counted(Event::Published),
             "relay stopped"
         );
-        Ok(())
+        essential.outcome()
     }
 
     /// Waits for Postgres to answer, then fails fast if the outbox is missing.
@@ -341,6 +366,64 @@ impl<P: Publisher, S: Store> Workers<P, S> {
                 stats: Arc::clone(&self.stats),
             };
             tracker.spawn(worker.run(shutdown.clone()));
+        }
+    }
+}
+
+/// The relay's own long-lived tasks, each meant to run until shutdown. One
+/// that ends before it (a panic: a bug) would leave the relay running
+/// without it: without ownership, on no partitions, its workers waking at
+/// once on the closed channel; without the barrier, every batch waiting out
+/// its time. So its end stops the relay, with an error, for whatever
+/// supervises the process to start it again.
+struct Essential {
+    shutdown: CancellationToken,
+    ended: Arc<std::sync::Mutex<Option<Error>>>,
+}
+
+impl Essential {
+    fn new(shutdown: &CancellationToken) -> Self {
+        Essential {
+            shutdown: shutdown.clone(),
+            ended: Arc::default(),
+        }
+    }
+
+    fn spawn(
+        &self,
+        tracker: &TaskTracker,
+        task: &'static str,
+        run: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let (shutdown, ended) = (self.shutdown.clone(), Arc::clone(&self.ended));
+        tracker.spawn(async move {
+            let outcome = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(run)).await;
+            let how = match outcome {
+                Ok(()) if shutdown.is_cancelled() => return,
+                Ok(()) => "ended".to_owned(),
+                Err(panic) => {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "(no message)".to_owned());
+                    format!("panicked: {message}")
+                }
+            };
+            tracing::error!(task, "the relay's {task} task {how}; stopping the relay");
+            ended
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(Error::TaskEnded { task, how });
+            shutdown.cancel();
+        });
+    }
+
+    /// The first task's end, if any task ended before shutdown.
+    fn outcome(&self) -> Result<(), Error> {
+        match self.ended.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 }
