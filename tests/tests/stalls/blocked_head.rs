@@ -24,27 +24,29 @@ enum Head {
     Skipped,
 }
 
+/// A message of `key` for `destination`.
+fn keyed(destination: &str, key: impl Into<String>, payload: Vec<u8>) -> Message {
+    Message::builder(destination)
+        .key(key)
+        .payload(payload)
+        .build()
+        .expect("valid")
+}
+
+/// Enqueues the head of key "hot", addressed to `missing`, an exchange that
+/// does not exist, so it can never go out; returns its id.
+async fn enqueue_blocked_head(db: &TestDb, missing: &str) -> outbox_client::MessageId {
+    db.outbox()
+        .enqueue(&db.client, &keyed(missing, "hot", b"head".to_vec()))
+        .await
+        .expect("enqueue")
+}
+
 /// One key's head is blocked while 10 × batch_size more of its messages wait
 /// behind it; 100 messages of 100 other keys committed afterwards must all go
 /// out, and the blocked key's messages must not overtake its head. Before the
 /// fix, every claim filled up with the blocked key's rows and returned
 /// nothing, so the others waited forever (or until the key drained).
-/// Enqueues the head of key "hot", addressed to `missing`, an exchange that
-/// does not exist, so it can never go out; returns its id.
-async fn enqueue_blocked_head(db: &TestDb, missing: &str) -> outbox_client::MessageId {
-    db.outbox()
-        .enqueue(
-            &db.client,
-            &Message::builder(missing)
-                .key("hot")
-                .payload(b"head".to_vec())
-                .build()
-                .expect("valid"),
-        )
-        .await
-        .expect("enqueue")
-}
-
 async fn blocked_head_does_not_stall_other_keys(head: Head) {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
@@ -67,11 +69,11 @@ async fn blocked_head_does_not_stall_other_keys(head: Head) {
     let head_id = enqueue_blocked_head(&db, &missing).await;
     let behind: Vec<Message> = (0..10 * batch_size as usize + 500)
         .map(|i| {
-            Message::builder(rabbit.exchange.as_str())
-                .key("hot")
-                .payload(format!("hot-{i}").into_bytes())
-                .build()
-                .expect("valid")
+            keyed(
+                rabbit.exchange.as_str(),
+                "hot",
+                format!("hot-{i}").into_bytes(),
+            )
         })
         .collect();
     outbox
@@ -103,11 +105,11 @@ async fn blocked_head_does_not_stall_other_keys(head: Head) {
     );
     let others: Vec<Message> = (0..100)
         .map(|i| {
-            Message::builder(rabbit.exchange.as_str())
-                .key(format!("other-{i}"))
-                .payload(format!("other-{i}").into_bytes())
-                .build()
-                .expect("valid")
+            keyed(
+                rabbit.exchange.as_str(),
+                format!("other-{i}"),
+                format!("other-{i}").into_bytes(),
+            )
         })
         .collect();
     let other_ids = outbox
@@ -216,21 +218,21 @@ async fn a_steady_stream_on_a_blocked_key_does_not_stall_others() {
     for round in 0..40 {
         let hot: Vec<Message> = (0..rng.random_range(20..80))
             .map(|i| {
-                Message::builder(rabbit.exchange.as_str())
-                    .key("hot")
-                    .payload(format!("hot-{round}-{i}").into_bytes())
-                    .build()
-                    .expect("valid")
+                keyed(
+                    rabbit.exchange.as_str(),
+                    "hot",
+                    format!("hot-{round}-{i}").into_bytes(),
+                )
             })
             .collect();
         outbox.enqueue_batch(&db.client, &hot).await.expect("hot");
         let others: Vec<Message> = (0..rng.random_range(1..10))
             .map(|i| {
-                Message::builder(rabbit.exchange.as_str())
-                    .key(format!("o-{round}-{i}"))
-                    .payload(b"other".to_vec())
-                    .build()
-                    .expect("valid")
+                keyed(
+                    rabbit.exchange.as_str(),
+                    format!("o-{round}-{i}"),
+                    b"other".to_vec(),
+                )
             })
             .collect();
         for id in outbox
@@ -285,13 +287,7 @@ async fn later_rows_due_before_their_head_do_not_stop_the_claims() {
     let rabbit = Fixture::new().await;
     let batch_size = 50;
     let messages: Vec<Message> = (0..10 * batch_size as usize)
-        .map(|i| {
-            Message::builder(rabbit.exchange.as_str())
-                .key("k")
-                .payload(format!("{i}").into_bytes())
-                .build()
-                .expect("valid")
-        })
+        .map(|i| keyed(rabbit.exchange.as_str(), "k", format!("{i}").into_bytes()))
         .collect();
     db.outbox()
         .enqueue_batch(&db.client, &messages)
@@ -350,13 +346,7 @@ async fn later_rows_due_before_their_head_do_not_stop_the_claims() {
 async fn a_head_set_aside_again_keeps_its_key_behind_it() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let message = |key: &str| {
-        Message::builder("anywhere")
-            .key(key)
-            .payload(b"x".to_vec())
-            .build()
-            .expect("valid")
-    };
+    let message = |key: &str| keyed("anywhere", key, b"x".to_vec());
     let mut messages: Vec<Message> = (0..50).map(|_| message("k")).collect();
     messages.extend((0..10).map(|_| message("other")));
     messages.extend((0..10).map(|_| message("k")));
