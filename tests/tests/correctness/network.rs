@@ -133,11 +133,11 @@ async fn s07_kafka_slow_link_to_the_broker() {
     tansu.stop().await;
 }
 
-/// How late every answer of the broker of scenario 8 arrives: a sixth of
+/// How late every answer of the broker of scenario 14 arrives: a sixth of
 /// the confirm timeout (3 s).
 const SLOW_ANSWERS: Duration = Duration::from_millis(500);
 
-/// Scenario 8: everything the broker sends back (confirms, delivery reports,
+/// Scenario 14: everything the broker sends back (confirms, delivery reports,
 /// metadata, handshakes) arrives `SLOW_ANSWERS` late, from the relay's
 /// start, while the link carries bytes at full speed: a broker that
 /// confirms only after a slow disk's fsync, or a link with a long round
@@ -145,25 +145,73 @@ const SLOW_ANSWERS: Duration = Duration::from_millis(500);
 /// each batch waits one for its confirms. The outbox must drain with
 /// nothing lost or out of order. Only the first batches, whose time the
 /// set-up's round trips eat, may be cut short and repeat.
-async fn slow_answers(db: TestDb, sink: Sink, proxy: &Proxy) {
+async fn slow_answers(db: TestDb, sink: Sink, proxy: &Proxy, late: Duration) {
     let spec = spec(&sink, 600);
-    let what = format!("broker's answers {SLOW_ANSWERS:?} late");
+    let what = format!("broker's answers {late:?} late");
     let bound = BATCH * (PIPELINE + 1);
     drain_while_slow(db, sink, proxy, spec, &what, bound, |p, on| {
-        p.delay_answers(if on { SLOW_ANSWERS } else { Duration::ZERO })
+        p.delay_answers(if on { late } else { Duration::ZERO })
     })
     .await;
 }
 
 #[tokio::test]
-async fn s08_amqp_broker_answers_late() {
+async fn s14_amqp_broker_answers_late() {
     let proxy = Proxy::start("127.0.0.1:5672").await;
-    slow_answers(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    slow_answers(
+        TestDb::new().await,
+        Sink::amqp().await,
+        &proxy,
+        SLOW_ANSWERS,
+    )
+    .await;
 }
 
 #[tokio::test]
-async fn s08_kafka_broker_answers_late() {
+async fn s14_kafka_broker_answers_late() {
     let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    slow_answers(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    slow_answers(
+        TestDb::new().await,
+        Sink::kafka(&brokers).await,
+        &proxy,
+        SLOW_ANSWERS,
+    )
+    .await;
+    tansu.stop().await;
+}
+
+/// How late every answer of the broker of scenario 15 arrives: half the
+/// confirm timeout. Connecting to RabbitMQ and opening a confirm channel
+/// take about seven answers, 10.5 s, longer than a batch may take (its
+/// answers are due 4.5 s after its claim, with the hold limit of 10 s).
+const VERY_SLOW_ANSWERS: Duration = Duration::from_millis(1_500);
+
+/// Scenario 15: scenario 14 with answers so late that no one batch has the
+/// time to connect, open its channel and be confirmed. Each batch that
+/// runs out of time while the link is being set up must leave what it
+/// set up to the next, and nothing it sent (it sent nothing), so that the
+/// set-up ends and the outbox drains.
+#[tokio::test]
+async fn s15_amqp_set_up_longer_than_a_batch() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    slow_answers(
+        TestDb::new().await,
+        Sink::amqp().await,
+        &proxy,
+        VERY_SLOW_ANSWERS,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn s15_kafka_set_up_longer_than_a_batch() {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    slow_answers(
+        TestDb::new().await,
+        Sink::kafka(&brokers).await,
+        &proxy,
+        VERY_SLOW_ANSWERS,
+    )
+    .await;
     tansu.stop().await;
 }
