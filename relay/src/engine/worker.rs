@@ -469,6 +469,16 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         self.stats.add_in_flight(-(batch.len() as i64));
         let outcomes = match published {
             Ok(o) => o,
+            Err(e) if e.is_unsent() => {
+                // Like a batch that waited half its time for a slot: its
+                // rows are claimed again with a full budget.
+                tracing::debug!(worker = self.id, error = %e, "batch released unpublished");
+                tx.rollback().await?;
+                return Ok(BatchEnd::Settled {
+                    more: true,
+                    late: true,
+                });
+            }
             Err(e) => {
                 self.stats.note_batch(Some(&e));
                 let seqs: Vec<i64> = batch.iter().map(|e| e.seq).collect();

@@ -72,6 +72,7 @@ pub struct PublishError {
     context: String,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    unsent: bool,
 }
 
 impl PublishError {
@@ -83,6 +84,7 @@ impl PublishError {
         PublishError {
             context: context.into(),
             source: Some(source.into()),
+            unsent: false,
         }
     }
 
@@ -91,7 +93,25 @@ impl PublishError {
         PublishError {
             context: context.into(),
             source: None,
+            unsent: false,
         }
+    }
+
+    /// Nothing of the batch was sent: the publisher gave it back because
+    /// setting up the link (connecting, opening a channel) took half its
+    /// time, and the set-up goes on for the batches after it. Not a broker
+    /// failure: the relay claims the rows again at once, with a full budget.
+    pub fn unsent(context: impl Into<String>) -> Self {
+        PublishError {
+            context: context.into(),
+            source: None,
+            unsent: true,
+        }
+    }
+
+    /// Whether this is [`PublishError::unsent`].
+    pub fn is_unsent(&self) -> bool {
+        self.unsent
     }
 }
 

@@ -1,9 +1,16 @@
 //! The one connection and its pool of confirm-mode channels: connecting
 //! (TLS, timeouts), taking and giving back channels, dropping a dead link,
 //! learning the broker's size limit, and checking exchanges exist.
+//!
+//! Connecting, checking exchanges and opening channels are round trips to
+//! the broker, a few seconds of them when it answers slowly. They run in a
+//! task of their own, each bounded by its own timeout, not by the batch
+//! that asked for them: a batch that runs out of time while they are under
+//! way has sent nothing, and leaves what they set up to the batches after
+//! it instead of starting over.
 
-use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,15 +18,122 @@ use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use tokio::sync::{oneshot, Mutex};
 
-use super::wire::{is_not_found, size_limit_from};
-use super::{AmqpPublisher, Link, EXCHANGE_CHECK_TTL};
+use super::wire::is_not_found;
+use super::{AmqpSettings, BLOCKED, EXCHANGE_CHECK_TTL};
 use crate::envelope::Envelope;
 use crate::publish::PublishError;
 use crate::redact::redact_url;
 
-impl AmqpPublisher {
-    pub(super) async fn connect(&self) -> Result<Link, PublishError> {
+struct Link {
+    connection: Arc<Connection>,
+    /// Idle confirm-mode channels. A batch takes one for itself and gives it
+    /// back only after every confirm of the batch has arrived, so no two
+    /// batches ever share a channel's confirms or returns.
+    idle: Vec<Channel>,
+}
+
+/// The connection to the broker and what the publisher knows of it, shared
+/// with the tasks that set the link up.
+pub(super) struct Broker {
+    pub(super) settings: AmqpSettings,
+    link: Mutex<Option<Link>>,
+    exchanges_seen: Mutex<HashMap<String, Instant>>,
+}
+
+/// What a batch needs before it sends: the connection, the exchanges of its
+/// messages that do not exist, and a confirm-mode channel of its own.
+pub(super) struct Prepared {
+    pub(super) connection: Arc<Connection>,
+    pub(super) missing: HashSet<String>,
+    pub(super) channel: Channel,
+}
+
+impl Broker {
+    pub(super) fn new(settings: AmqpSettings) -> Self {
+        Broker {
+            settings,
+            link: Mutex::new(None),
+            exchanges_seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The connection, an idle channel and the exchange checks `batch`
+    /// needs. When any of them takes a round trip, that work runs in a task
+    /// of its own, and a channel it opens for a batch that stopped waiting
+    /// goes to the pool for the next.
+    pub(super) async fn prepare(
+        self: &Arc<Self>,
+        batch: &[Envelope],
+    ) -> Result<Prepared, PublishError> {
+        let to_check = self.exchanges_to_check(batch).await;
+        if to_check.is_empty() {
+            let mut link = self.link.lock().await;
+            if let Some(l) = link.as_mut() {
+                if l.connection.status().connected() {
+                    if l.connection.status().blocked() {
+                        // Anything sent now would sit in the socket until
+                        // the alarm clears; the rows wait in the outbox
+                        // instead.
+                        return Err(PublishError::msg(BLOCKED));
+                    }
+                    if let Some(channel) = take_idle(&mut l.idle) {
+                        return Ok(Prepared {
+                            connection: l.connection.clone(),
+                            missing: HashSet::new(),
+                            channel,
+                        });
+                    }
+                }
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        let broker = self.clone();
+        tokio::spawn(async move {
+            let prepared = broker.set_up(to_check).await;
+            if let Err(Ok(unwanted)) = tx.send(prepared) {
+                broker
+                    .give_back(&unwanted.connection, unwanted.channel)
+                    .await;
+            }
+        });
+        rx.await
+            .unwrap_or_else(|_| Err(PublishError::msg("the link's set-up task ended early")))
+    }
+
+    async fn set_up(&self, to_check: Vec<String>) -> Result<Prepared, PublishError> {
+        let connection = self.connection().await?;
+        if connection.status().blocked() {
+            return Err(PublishError::msg(BLOCKED));
+        }
+        let (missing, channel) = tokio::try_join!(
+            self.missing_exchanges(&connection, to_check),
+            self.take_channel(&connection)
+        )?;
+        Ok(Prepared {
+            connection,
+            missing,
+            channel,
+        })
+    }
+
+    /// Runs `f` in a task of its own and waits for it: if the caller stops
+    /// waiting, the task still ends, and what it set up stays for later.
+    pub(super) async fn detached<T, F>(
+        self: &Arc<Self>,
+        f: impl FnOnce(Arc<Broker>) -> F,
+    ) -> Result<T, PublishError>
+    where
+        F: Future<Output = Result<T, PublishError>> + Send + 'static,
+        T: Send + 'static,
+    {
+        tokio::spawn(f(self.clone()))
+            .await
+            .unwrap_or_else(|e| Err(PublishError::new("the link's set-up task failed", e)))
+    }
+
+    async fn connect(&self) -> Result<Link, PublishError> {
         let connect = async {
             let tls = OwnedTLSConfig {
                 identity: None,
@@ -47,7 +161,8 @@ impl AmqpPublisher {
         }
     }
 
-    /// The live connection, (re)connecting if it is gone.
+    /// The live connection, (re)connecting if it is gone. Callers that may
+    /// stop waiting call it through [`Broker::detached`].
     pub(super) async fn connection(&self) -> Result<Arc<Connection>, PublishError> {
         let mut link = self.link.lock().await;
         if let Some(l) = link.as_ref() {
@@ -70,35 +185,51 @@ impl AmqpPublisher {
         Ok(connection)
     }
 
-    /// A confirm-mode channel for one batch alone: an idle one, or a new one.
-    pub(super) async fn take_channel(
+    /// One round trip of the set-up, bounded like a confirm: no answer
+    /// within the confirm timeout and the connection is presumed dead.
+    async fn answer<T>(
         &self,
-        connection: &Connection,
-    ) -> Result<Channel, PublishError> {
+        connection: &Arc<Connection>,
+        what: &str,
+        step: impl Future<Output = Result<T, lapin::Error>>,
+    ) -> Result<T, PublishError> {
+        match tokio::time::timeout(self.settings.confirm_timeout, step).await {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(e)) => Err(PublishError::new(what.to_owned(), e)),
+            Err(_) => {
+                self.drop_link(connection, "no answer to the set-up").await;
+                Err(PublishError::msg(format!(
+                    "{what}: no answer from rabbitmq within {:?}",
+                    self.settings.confirm_timeout
+                )))
+            }
+        }
+    }
+
+    /// A confirm-mode channel for one batch alone: an idle one, or a new one.
+    async fn take_channel(&self, connection: &Arc<Connection>) -> Result<Channel, PublishError> {
         let idle = {
             let mut link = self.link.lock().await;
-            let mut found = None;
-            if let Some(l) = link.as_mut() {
-                while let Some(ch) = l.idle.pop() {
-                    if ch.status().connected() {
-                        found = Some(ch);
-                        break;
-                    }
-                }
-            }
-            found
+            link.as_mut()
+                .filter(|l| Arc::ptr_eq(&l.connection, connection))
+                .and_then(|l| take_idle(&mut l.idle))
         };
         if let Some(ch) = idle {
             return Ok(ch);
         }
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|e| PublishError::new("cannot open a channel", e))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| PublishError::new("cannot enable publisher confirms", e))?;
+        let channel = self
+            .answer(
+                connection,
+                "cannot open a channel",
+                connection.create_channel(),
+            )
+            .await?;
+        self.answer(
+            connection,
+            "cannot enable publisher confirms",
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
         Ok(channel)
     }
 
@@ -112,83 +243,115 @@ impl AmqpPublisher {
         }
     }
 
-    /// Forgets the link so the next batch reconnects (used after a confirm timeout,
-    /// when the socket may be black-holed rather than closed).
-    pub(super) async fn drop_link(&self) {
-        if let Some(old) = self.link.lock().await.take() {
+    /// Forgets `connection`, if it is still the link, so the next batch
+    /// reconnects (used after a confirm timeout, when the socket may be
+    /// black-holed rather than closed).
+    pub(super) async fn drop_link(&self, connection: &Arc<Connection>, why: &'static str) {
+        let mut link = self.link.lock().await;
+        if link
+            .as_ref()
+            .is_some_and(|l| Arc::ptr_eq(&l.connection, connection))
+        {
+            let old = link.take().expect("checked above");
             tokio::spawn(async move {
                 let _ = tokio::time::timeout(
                     Duration::from_secs(1),
-                    old.connection.close(320, "confirm timeout".into()),
+                    old.connection.close(320, why.into()),
                 )
                 .await;
             });
         }
     }
 
-    /// Learns the broker's size limit from a channel it closed for a message
-    /// over it, so the next attempt refuses that message before sending it.
-    pub(super) fn learn_size_limit(&self, error: &lapin::Error) {
-        if let Some(limit) = size_limit_from(error) {
-            let before = self.max_message_size.swap(limit, Ordering::Relaxed);
-            if before != limit {
-                tracing::warn!(
-                    limit,
-                    "rabbitmq refused a message over its max_message_size; larger messages now go to the dead letters"
-                );
-            }
+    /// Closes the link, waiting a little for the broker to agree.
+    pub(super) async fn close(&self) {
+        if let Some(link) = self.link.lock().await.take() {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(2),
+                link.connection.close(200, "shutting down".into()),
+            )
+            .await;
         }
     }
 
-    /// Destinations of `batch` whose exchange does not exist.
-    pub(super) async fn missing_exchanges(
-        &self,
-        connection: &Connection,
-        batch: &[Envelope],
-    ) -> Result<HashSet<String>, PublishError> {
+    /// The exchanges of `batch` not seen to exist lately.
+    async fn exchanges_to_check(&self, batch: &[Envelope]) -> Vec<String> {
         let now = Instant::now();
-        let to_check: HashSet<&str> = {
-            let seen = self.exchanges_seen.lock().await;
-            batch
-                .iter()
-                .map(|e| e.amqp_exchange())
-                .filter(|x| !x.is_empty())
-                .filter(|x| {
-                    seen.get(*x)
-                        .is_none_or(|t| now.duration_since(*t) > EXCHANGE_CHECK_TTL)
-                })
-                .collect()
-        };
-        let mut missing = HashSet::new();
-        for name in to_check {
-            let Ok(short) = ShortString::try_new(name) else {
-                continue; // rejected per message below
+        let seen = self.exchanges_seen.lock().await;
+        let mut names: Vec<String> = Vec::new();
+        for env in batch {
+            let x = env.amqp_exchange();
+            if x.is_empty() || names.iter().any(|n| n == x) {
+                continue;
+            }
+            if seen
+                .get(x)
+                .is_none_or(|t| now.duration_since(*t) > EXCHANGE_CHECK_TTL)
+            {
+                names.push(x.to_owned());
+            }
+        }
+        names
+    }
+
+    /// Which of `names` do not exist, each checked with a passive declare on
+    /// a throwaway channel, all at once.
+    async fn missing_exchanges(
+        &self,
+        connection: &Arc<Connection>,
+        names: Vec<String>,
+    ) -> Result<HashSet<String>, PublishError> {
+        let checks = names.into_iter().map(|name| async move {
+            let Ok(short) = ShortString::try_new(name.as_str()) else {
+                return Ok(None); // rejected per message
             };
-            let probe = connection
-                .create_channel()
-                .await
-                .map_err(|e| PublishError::new("cannot open a channel", e))?;
+            let now = Instant::now();
+            let probe = self
+                .answer(
+                    connection,
+                    "cannot open a channel",
+                    connection.create_channel(),
+                )
+                .await?;
             let passive = ExchangeDeclareOptions {
                 passive: true,
                 ..ExchangeDeclareOptions::default()
             };
-            match probe
-                .exchange_declare(short, ExchangeKind::Direct, passive, FieldTable::default())
-                .await
-            {
-                Ok(()) => {
-                    self.exchanges_seen
-                        .lock()
+            let exists = self
+                .answer(connection, "cannot check exchange", async {
+                    match probe
+                        .exchange_declare(
+                            short,
+                            ExchangeKind::Direct,
+                            passive,
+                            FieldTable::default(),
+                        )
                         .await
-                        .insert(name.to_owned(), now);
-                    let _ = probe.close(200, "ok".into()).await;
-                }
-                Err(e) if is_not_found(&e) => {
-                    missing.insert(name.to_owned());
-                }
-                Err(e) => return Err(PublishError::new("cannot check exchange", e)),
+                    {
+                        Ok(()) => Ok(true),
+                        Err(e) if is_not_found(&e) => Ok(false),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?;
+            if !exists {
+                return Ok(Some(name));
             }
-        }
-        Ok(missing)
+            self.exchanges_seen.lock().await.insert(name, now);
+            // Its answer is of no use to the batch.
+            tokio::spawn(async move { probe.close(200, "ok".into()).await });
+            Ok::<_, PublishError>(None)
+        });
+        let found = futures::future::try_join_all(checks).await?;
+        Ok(found.into_iter().flatten().collect())
     }
+}
+
+fn take_idle(idle: &mut Vec<Channel>) -> Option<Channel> {
+    while let Some(ch) = idle.pop() {
+        if ch.status().connected() {
+            return Some(ch);
+        }
+    }
+    None
 }

@@ -11,7 +11,7 @@
 //! use (and again after a while), and messages for a missing exchange are
 //! rejected one by one while the rest of the batch flows.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
@@ -22,13 +22,13 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
-use lapin::{Channel, Confirmation, Connection};
-use tokio::sync::Mutex;
+use lapin::{Confirmation, Connection};
 
 use super::cloudevents::CloudEvents;
 use super::pace::Pace;
 use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
-use wire::{correlate, correlate_cut, properties, Answer, Returned};
+use link::{Broker, Prepared};
+use wire::{correlate, correlate_cut, properties, size_limit_from, Answer, Returned};
 
 mod link;
 mod wire;
@@ -69,19 +69,10 @@ impl std::fmt::Debug for AmqpSettings {
     }
 }
 
-struct Link {
-    connection: Arc<Connection>,
-    /// Idle confirm-mode channels. A batch takes one for itself and gives it
-    /// back only after every confirm of the batch has arrived, so no two
-    /// batches ever share a channel's confirms or returns.
-    idle: Vec<Channel>,
-}
-
 /// Publishes to RabbitMQ; reconnects lazily on the next batch after a failure.
 pub struct AmqpPublisher {
-    settings: AmqpSettings,
-    link: Mutex<Option<Link>>,
-    exchanges_seen: Mutex<HashMap<String, Instant>>,
+    /// The connection, its channels and the exchanges seen.
+    broker: Arc<Broker>,
     /// The largest message the broker accepts, as far as the relay knows:
     /// RabbitMQ's default until a channel closes for a larger message and the
     /// broker's error names its limit.
@@ -103,7 +94,7 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 * 1024 * 1024;
 impl std::fmt::Debug for AmqpPublisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpPublisher")
-            .field("settings", &self.settings)
+            .field("settings", &self.broker.settings)
             .finish_non_exhaustive()
     }
 }
@@ -112,9 +103,7 @@ impl AmqpPublisher {
     /// A publisher that connects on first use.
     pub fn new(settings: AmqpSettings) -> Self {
         AmqpPublisher {
-            settings,
-            link: Mutex::new(None),
-            exchanges_seen: Mutex::new(HashMap::new()),
+            broker: Arc::new(Broker::new(settings)),
             max_message_size: AtomicUsize::new(DEFAULT_MAX_MESSAGE_SIZE),
             cloudevents: None,
             progress: AtomicU64::new(0),
@@ -139,6 +128,20 @@ impl AmqpPublisher {
         tokio::time::Instant::from_std(self.origin) + Duration::from_millis(ms)
     }
 
+    /// Learns the broker's size limit from a channel it closed for a message
+    /// over it, so the next attempt refuses that message before sending it.
+    fn learn_size_limit(&self, error: &lapin::Error) {
+        if let Some(limit) = size_limit_from(error) {
+            let before = self.max_message_size.swap(limit, Ordering::Relaxed);
+            if before != limit {
+                tracing::warn!(
+                    limit,
+                    "rabbitmq refused a message over its max_message_size; larger messages now go to the dead letters"
+                );
+            }
+        }
+    }
+
     fn note_progress(&self) {
         let ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.progress.fetch_max(ms, Ordering::Relaxed);
@@ -159,7 +162,7 @@ impl AmqpPublisher {
 
 impl Publisher for AmqpPublisher {
     async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
-        let deadline = tokio::time::Instant::now() + self.settings.confirm_timeout;
+        let deadline = tokio::time::Instant::now() + self.broker.settings.confirm_timeout;
         self.publish_until(batch, deadline).await
     }
 
@@ -173,14 +176,31 @@ impl Publisher for AmqpPublisher {
         deadline: tokio::time::Instant,
     ) -> Result<Vec<Verdict>, PublishError> {
         let started = tokio::time::Instant::now();
-        let connection = self.connection().await?;
-        if connection.status().blocked() {
-            // Anything sent now would sit in the socket until the alarm
-            // clears; the rows wait in the outbox instead.
-            return Err(PublishError::msg(BLOCKED));
-        }
-        let missing = self.missing_exchanges(&connection, batch).await?;
-        let channel = self.take_channel(&connection).await?;
+        // The link's set-up runs on in its own task if it outlasts half the
+        // batch's time: a batch sent later than that would likely be cut
+        // short at its deadline, sent again, and take the link with it.
+        // Given back unsent, its rows are claimed again with a full budget
+        // and find the set-up done.
+        let halfway = started + (deadline.saturating_duration_since(started)) / 2;
+        let Prepared {
+            connection,
+            missing,
+            channel,
+        } = match tokio::time::timeout_at(halfway, self.broker.prepare(batch)).await {
+            Ok(prepared) => prepared?,
+            Err(_) => {
+                return Err(PublishError::unsent(format!(
+                    "setting up the link to rabbitmq took over half the batch's time ({:?}); given back unsent",
+                    halfway - started
+                )))
+            }
+        };
+        // From here frames of the batch may be queued on the connection.
+        let mut handed = Handed {
+            broker: self.broker.clone(),
+            connection: connection.clone(),
+            done: false,
+        };
 
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         // Keys with a message refused here: their later messages are not sent
@@ -295,9 +315,10 @@ impl Publisher for AmqpPublisher {
         // confirms arrive with no timer work each. It starts once the batch
         // is handed over: connecting and opening a channel, a round trip
         // each to a broker that answers slowly, are not a wait for
-        // confirms (the worker's deadline bounds them).
+        // confirms (half the batch's time bounds them, above).
         let mut since = tokio::time::Instant::now();
-        let quiet = tokio::time::sleep_until((since + self.settings.confirm_timeout).min(deadline));
+        let quiet =
+            tokio::time::sleep_until((since + self.broker.settings.confirm_timeout).min(deadline));
         tokio::pin!(quiet);
         let cut = loop {
             tokio::select! {
@@ -328,14 +349,17 @@ impl Publisher for AmqpPublisher {
                     if last <= since {
                         break Some(format!(
                             "no confirms from rabbitmq within {:?}",
-                            self.settings.confirm_timeout
+                            self.broker.settings.confirm_timeout
                         ));
                     }
                     since = last;
-                    quiet.as_mut().reset((since + self.settings.confirm_timeout).min(deadline));
+                    quiet.as_mut().reset((since + self.broker.settings.confirm_timeout).min(deadline));
                 }
             }
         };
+        // Whatever the broker answers from here is not read: the cut below
+        // drops the connection itself where frames may still be queued.
+        handed.done = true;
         if let Some(e) = &lost {
             self.learn_size_limit(e);
         }
@@ -345,7 +369,7 @@ impl Publisher for AmqpPublisher {
             // say) reached only the confirms already handed over, read above.
             self.learn_size_limit(&e);
             if cut.is_some() {
-                self.drop_link().await;
+                self.broker.drop_link(&connection, "confirm timeout").await;
             }
             return Err(PublishError::new("publish failed", e));
         }
@@ -359,7 +383,7 @@ impl Publisher for AmqpPublisher {
             }
             drop(pending);
             self.pace.speed_up(started.elapsed(), deadline - started);
-            self.give_back(&connection, channel).await;
+            self.broker.give_back(&connection, channel).await;
         } else {
             // Cut short, or the connection lost: what the broker confirmed
             // stands, the rest goes again later, its keys behind it. Which
@@ -391,7 +415,7 @@ impl Publisher for AmqpPublisher {
                 // alarm) the batch fails whole, as in any outage: the
                 // broker is down, not slow.
                 let blocked = connection.status().blocked();
-                self.drop_link().await;
+                self.broker.drop_link(&connection, "confirm timeout").await;
                 if confirmed == 0 || blocked {
                     return Err(PublishError::msg(reason));
                 }
@@ -426,38 +450,49 @@ impl Publisher for AmqpPublisher {
     /// takes nothing: that is not ready, or the probe would report the
     /// broker back between every two batches the alarm refuses.
     async fn ready(&self) -> Result<(), PublishError> {
-        let connection = self.connection().await?;
+        // The probe stops waiting after a while; a connection under way
+        // then ends all the same, for the next batch.
+        let connection = self
+            .broker
+            .detached(|broker| async move { broker.connection().await })
+            .await?;
         if connection.status().blocked() {
             return Err(PublishError::msg(BLOCKED));
         }
         Ok(())
     }
 
-    /// A batch ran out of time. On a connection the broker blocked (resource
-    /// alarm), lapin writes nothing until the alarm clears, and every later
-    /// batch is refused before sending, so keeping the connection bounds the
-    /// copies to the batches already handed over. Any other stall (a
-    /// black-holed socket, a broker that stopped answering) drops the
-    /// connection: the next batch starts on a fresh one.
-    async fn abandon(&self) {
-        let blocked = self
-            .link
-            .lock()
-            .await
-            .as_ref()
-            .is_some_and(|l| l.connection.status().blocked());
-        if !blocked {
-            self.drop_link().await;
-        }
-    }
-
     async fn close(&self) {
-        if let Some(link) = self.link.lock().await.take() {
-            let _ = tokio::time::timeout(
-                Duration::from_secs(2),
-                link.connection.close(200, "shutting down".into()),
-            )
-            .await;
+        self.broker.close().await;
+    }
+}
+
+/// A batch's frames handed to the connection, until its confirms have been
+/// read. A batch dropped in between (the relay gave it up at its deadline)
+/// takes the connection with it, unless the broker blocked it: what is
+/// still queued on it could reach the broker after the rows went back to
+/// the outbox, and copies stay bounded to what already left. On a
+/// connection the broker blocked (a resource alarm), lapin writes nothing
+/// until the alarm clears, and every later batch is refused before
+/// sending, so keeping it bounds the copies as well.
+///
+/// A batch given up before this point had sent nothing: the link and
+/// whatever its set-up had opened stay for the next batch.
+struct Handed {
+    broker: Arc<Broker>,
+    connection: Arc<Connection>,
+    done: bool,
+}
+
+impl Drop for Handed {
+    fn drop(&mut self) {
+        if self.done || self.connection.status().blocked() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let broker = self.broker.clone();
+            let connection = self.connection.clone();
+            runtime.spawn(async move { broker.drop_link(&connection, "batch abandoned").await });
         }
     }
 }
