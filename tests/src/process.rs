@@ -11,6 +11,8 @@ use tokio::process::{Child, Command};
 pub struct RelayProcess {
     child: Child,
     leaks: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Closes the reading end of the relay's stderr when sent.
+    close_log: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// What must never reach a relay's log.
@@ -71,13 +73,19 @@ impl RelayProcess {
         }
         let mut child = cmd.spawn().expect("spawn relay process");
         let leaks = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (close_log, mut closed) = tokio::sync::oneshot::channel();
         if let Some(stderr) = child.stderr.take() {
             let leaks = std::sync::Arc::clone(&leaks);
             let secrets = secrets_in_logs();
             tokio::spawn(async move {
                 use tokio::io::AsyncBufReadExt;
                 let mut lines = tokio::io::BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
+                loop {
+                    let line = tokio::select! {
+                        _ = &mut closed => break,
+                        line = lines.next_line() => line,
+                    };
+                    let Ok(Some(line)) = line else { break };
                     eprintln!("{line}");
                     for s in &secrets {
                         if line.contains(s.as_str()) {
@@ -90,7 +98,19 @@ impl RelayProcess {
                 }
             });
         }
-        RelayProcess { child, leaks }
+        RelayProcess {
+            child,
+            leaks,
+            close_log: Some(close_log),
+        }
+    }
+
+    /// Closes the reading end of the relay's stderr, as a log shipper that
+    /// stopped would: from then on every write of the relay's log fails.
+    pub fn close_log(&mut self) {
+        if let Some(close) = self.close_log.take() {
+            let _ = close.send(());
+        }
     }
 
     /// Log lines so far that carried a payload sentinel or a secret.

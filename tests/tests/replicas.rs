@@ -222,3 +222,43 @@ async fn a_relay_whose_ownership_task_dies_stops_with_an_error() {
     );
     db.cleanup().await;
 }
+
+/// A relay whose log goes nowhere any more (its log shipper stopped, the
+/// pipe it wrote to closed) must go on relaying, though every line it logs
+/// from then on fails to be written. It logs at debug here, so that its
+/// tasks log often: each batch settled, each heartbeat, each wake-up.
+#[tokio::test]
+async fn a_relay_whose_log_pipe_closes_goes_on_relaying() {
+    let started = std::time::Instant::now();
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let sink = Sink::amqp().await;
+    let mut env = replica_env(&db);
+    env.extend(sink.relay_env(None));
+    env.push(("OUTBOX_LOG", "debug".into()));
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    if let Err(o) = wait_balanced(&db, 1).await {
+        panic!("the relay never took its partitions: {o:?}");
+    }
+    relay.close_log();
+    let spec = Spec::new(sink.destination(), 4, 50, 1_000);
+    let written = workload::spawn(&db, spec).await.expect("writers");
+    let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
+    assert_eq!(
+        relay.exited(),
+        None,
+        "the relay ended after its log pipe closed"
+    );
+    // Nothing failed: not one message may arrive twice.
+    outbox_tests::check::judge(
+        TMP,
+        &format!("{}: the relay's log pipe closed", sink.broker()),
+        &report,
+        started,
+        Some(0),
+    );
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0));
+    sink.cleanup().await;
+    db.cleanup().await;
+}
