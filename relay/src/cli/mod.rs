@@ -301,7 +301,12 @@ fn init_logging(format: LogFormat) {
         .with_env_filter(filter)
         // Colour only for a person at a terminal, never into a file or pipe.
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // A line that cannot be written (the pipe to a log shipper that
+        // stopped) is dropped. Reporting it would print to the same
+        // stderr, and a failed print panics: every task that logged would
+        // end there, and the relay would run on doing nothing.
+        .log_internal_errors(false);
     match format {
         LogFormat::Text => builder.init(),
         // The event's message and fields at the top level of each object.
