@@ -14,6 +14,8 @@
 //! - `OUTBOX_TEST_FAILPOINT=panic-in-ownership:N`: panic in the ownership
 //!   task at its Nth heartbeat (standing in for any bug that ends one of the
 //!   relay's own tasks).
+//! - `OUTBOX_TEST_FAILPOINT=panic-in-worker:N`: panic in the worker whose
+//!   batch is the Nth the broker answered, before its rows are settled.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -65,25 +67,49 @@ fn failpoint(name: &str) -> Option<u64> {
     })
 }
 
-/// Aborts the process if the crash failpoint is due.
-pub fn after_ack() {
-    static BATCHES: AtomicU64 = AtomicU64::new(0);
-    static AT: OnceLock<Option<u64>> = OnceLock::new();
-    if let Some(at) = *AT.get_or_init(|| failpoint("crash-after-ack")) {
-        if BATCHES.fetch_add(1, Ordering::SeqCst) + 1 == at {
-            eprintln!("failpoint crash-after-ack:{at} reached; aborting");
-            std::process::abort();
+/// A failpoint's calls, counted: it is due at the Nth when
+/// `OUTBOX_TEST_FAILPOINT=<name>:N` selects it.
+struct Failpoint {
+    name: &'static str,
+    calls: AtomicU64,
+    at: OnceLock<Option<u64>>,
+}
+
+impl Failpoint {
+    const fn new(name: &'static str) -> Self {
+        Failpoint {
+            name,
+            calls: AtomicU64::new(0),
+            at: OnceLock::new(),
         }
+    }
+
+    /// Counts this call; its number if it is the one the failpoint is due at.
+    fn due(&self) -> Option<u64> {
+        let at = (*self.at.get_or_init(|| failpoint(self.name)))?;
+        (self.calls.fetch_add(1, Ordering::SeqCst) + 1 == at).then_some(at)
+    }
+}
+
+static CRASH_AFTER_ACK: Failpoint = Failpoint::new("crash-after-ack");
+static PANIC_IN_OWNERSHIP: Failpoint = Failpoint::new("panic-in-ownership");
+static PANIC_IN_WORKER: Failpoint = Failpoint::new("panic-in-worker");
+
+/// Aborts the process, or panics the worker, if either failpoint is due;
+/// called once the broker has answered for a batch.
+pub fn after_ack() {
+    if let Some(at) = CRASH_AFTER_ACK.due() {
+        eprintln!("failpoint crash-after-ack:{at} reached; aborting");
+        std::process::abort();
+    }
+    if let Some(at) = PANIC_IN_WORKER.due() {
+        panic!("failpoint panic-in-worker:{at} reached");
     }
 }
 
 /// Panics if the ownership failpoint is due; called at each heartbeat.
 pub fn ownership_beat() {
-    static BEATS: AtomicU64 = AtomicU64::new(0);
-    static AT: OnceLock<Option<u64>> = OnceLock::new();
-    if let Some(at) = *AT.get_or_init(|| failpoint("panic-in-ownership")) {
-        if BEATS.fetch_add(1, Ordering::SeqCst) + 1 == at {
-            panic!("failpoint panic-in-ownership:{at} reached");
-        }
+    if let Some(at) = PANIC_IN_OWNERSHIP.due() {
+        panic!("failpoint panic-in-ownership:{at} reached");
     }
 }

@@ -262,3 +262,29 @@ async fn a_relay_whose_log_pipe_closes_goes_on_relaying() {
     sink.cleanup().await;
     db.cleanup().await;
 }
+
+/// A relay whose worker ends (here a panic once the broker has answered
+/// for its second batch, standing in for any bug) would run on with one
+/// worker fewer, or none, claiming less or nothing at all. It must stop
+/// instead, with an error, as for its ownership task.
+#[tokio::test]
+async fn a_relay_whose_worker_dies_stops_with_an_error() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let sink = Sink::amqp().await;
+    let mut env = replica_env(&db);
+    env.extend(sink.relay_env(None));
+    env.push(("OUTBOX_TEST_FAILPOINT", "panic-in-worker:2".into()));
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let spec = Spec::new(sink.destination(), 4, 50, 1_000);
+    let written = workload::spawn(&db, spec).await.expect("writers");
+    assert!(!written.committed.is_empty(), "nothing was written");
+    let exited = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    let code = exited.expect("the relay ran on for 60 s after its worker panicked");
+    assert!(
+        code.is_some_and(|c| c != 0),
+        "the relay should exit with an error, exited with {code:?}"
+    );
+    sink.cleanup().await;
+    db.cleanup().await;
+}
