@@ -272,7 +272,7 @@ impl<P: Publisher> Relay<P> {
             idle,
             owned,
         };
-        workers.spawn(&tracker, &shutdown);
+        workers.spawn(&tracker, &essential, &shutdown);
         tracing::info!(schema = %self.schema, pipeline = self.settings.pipeline, batch_size = self.settings.batch_size, "relay running");
         tracker.close();
         tracker.wait().await;
@@ -344,8 +344,9 @@ struct Workers<P: Publisher, S: Store> {
 }
 
 impl<P: Publisher, S: Store> Workers<P, S> {
-    /// Spawns every worker on `tracker`; each runs until `shutdown`.
-    fn spawn(self, tracker: &TaskTracker, shutdown: &CancellationToken) {
+    /// Spawns every worker on `tracker`; each runs until `shutdown`, and
+    /// one that ends before (a panic) stops the relay, as `essential` says.
+    fn spawn(self, tracker: &TaskTracker, essential: &Essential, shutdown: &CancellationToken) {
         let pipeline = self.settings.pipeline.max(1);
         let in_flight = Arc::new(tokio::sync::Semaphore::new(pipeline));
         let payload_budget_kib = payload_budget_kib(&self.settings);
@@ -365,7 +366,7 @@ impl<P: Publisher, S: Store> Workers<P, S> {
                 settings: self.settings.clone(),
                 stats: Arc::clone(&self.stats),
             };
-            tracker.spawn(worker.run(shutdown.clone()));
+            essential.spawn(tracker, "worker", worker.run(shutdown.clone()));
         }
     }
 }
@@ -374,8 +375,9 @@ impl<P: Publisher, S: Store> Workers<P, S> {
 /// that ends before it (a panic: a bug) would leave the relay running
 /// without it: without ownership, on no partitions, its workers waking at
 /// once on the closed channel; without the barrier, every batch waiting out
-/// its time. So its end stops the relay, with an error, for whatever
-/// supervises the process to start it again.
+/// its time; without its workers, claiming nothing. So its end stops the
+/// relay, with an error, for whatever supervises the process to start it
+/// again.
 struct Essential {
     shutdown: CancellationToken,
     ended: Arc<std::sync::Mutex<Option<Error>>>,

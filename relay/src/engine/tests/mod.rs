@@ -119,7 +119,7 @@ fn start(settings: Settings, store: MemoryStore, broker: Broker) -> Loop {
         idle: idle.clone(),
         owned,
     }
-    .spawn(&tracker, &shutdown);
+    .spawn(&tracker, &super::Essential::new(&shutdown), &shutdown);
     tracker.close();
     Loop {
         store,
