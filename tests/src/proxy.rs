@@ -41,6 +41,8 @@ pub struct Proxy {
     rate: Arc<AtomicU64>,
     /// Milliseconds each chunk from upstream to client is held back.
     delay: Arc<AtomicU64>,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -58,13 +60,16 @@ impl Proxy {
         let mode = Arc::new(tx);
         let rate = Arc::new(AtomicU64::new(0));
         let delay = Arc::new(AtomicU64::new(0));
+        let accepted = Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_owned();
         let (m, r, d) = (Arc::clone(&mode), Arc::clone(&rate), Arc::clone(&delay));
+        let a = Arc::clone(&accepted);
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
+                a.fetch_add(1, Ordering::Relaxed);
                 let rx = m.subscribe();
                 let upstream = upstream.clone();
                 let link = Link {
@@ -79,8 +84,14 @@ impl Proxy {
             mode,
             rate,
             delay,
+            accepted,
             task,
         }
+    }
+
+    /// How many connections the proxy has accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::Relaxed)
     }
 
     /// Switches mode; open connections react at once.

@@ -3,9 +3,12 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_client::Message;
+use outbox_relay::publish::amqp::{AmqpPublisher, AmqpSettings};
+use outbox_relay::publish::{Envelope, Publisher};
 use outbox_tests::amqp::{self, Fixture};
 use outbox_tests::check::check;
 use outbox_tests::db::TestDb;
+use outbox_tests::proxy::Proxy;
 use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, seen_amqp, InProcessRelay};
 
@@ -334,4 +337,92 @@ async fn notify_switch_and_polling_fallback() {
     notified.stop().await;
     rabbit.cleanup().await;
     db.cleanup().await;
+}
+
+/// A publisher through a proxy in front of RabbitMQ, for the tests of what
+/// a batch given up midway leaves behind.
+fn publisher_via(proxy: &Proxy) -> AmqpPublisher {
+    AmqpPublisher::new(AmqpSettings {
+        url: format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port),
+        confirm_timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(20),
+        ca_pem: None,
+    })
+}
+
+fn envelopes(exchange: &str, n: i64) -> Vec<Envelope> {
+    (0..n)
+        .map(|seq| Envelope {
+            seq,
+            message_id: uuid::Uuid::now_v7(),
+            destination: exchange.to_owned(),
+            ordering_key: Some(format!("k{seq}")),
+            routing_key: String::new(),
+            headers: Vec::new(),
+            payload: seq.to_be_bytes().to_vec(),
+            content_type: None,
+            event_type: None,
+            created_at: SystemTime::now(),
+            attempts: 0,
+        })
+        .collect()
+}
+
+/// A batch given up while it waits for its confirms (the relay's deadline
+/// for it passed) takes its connection with it: frames of it still queued
+/// there must not reach the broker after its rows went back to the outbox.
+/// The next batch goes out on a new connection.
+#[tokio::test]
+async fn a_batch_given_up_after_sending_takes_its_connection_with_it() {
+    outbox_tests::init_logging();
+    let rabbit = Fixture::new().await;
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    let publisher = publisher_via(&proxy);
+    let batch = envelopes(&rabbit.exchange, 10);
+    let warm = publisher.publish(&batch[..1]).await.expect("first batch");
+    assert!(warm.iter().all(Result::is_ok), "{warm:?}");
+    assert_eq!(proxy.accepted(), 1);
+    // Connected, the exchange checked, a channel idle: the next batch is
+    // sent at once, and its confirms are two seconds away.
+    proxy.delay_answers(Duration::from_secs(2));
+    let given_up =
+        tokio::time::timeout(Duration::from_millis(500), publisher.publish(&batch[1..])).await;
+    assert!(given_up.is_err(), "confirmed in spite of the delay");
+    proxy.delay_answers(Duration::ZERO);
+    let after = publisher.publish(&batch[..1]).await.expect("batch after");
+    assert!(after.iter().all(Result::is_ok), "{after:?}");
+    assert_eq!(
+        proxy.accepted(),
+        2,
+        "the batch after one given up after sending went out on the same connection"
+    );
+    publisher.close().await;
+    rabbit.cleanup().await;
+}
+
+/// A batch given up while the publisher is still connecting has sent
+/// nothing: the connection under way is finished for the batches after
+/// it, not cut off and started over with each.
+#[tokio::test]
+async fn a_batch_given_up_while_connecting_leaves_the_connection_to_the_next() {
+    outbox_tests::init_logging();
+    let rabbit = Fixture::new().await;
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    // The handshake's three answers take three seconds.
+    proxy.delay_answers(Duration::from_secs(1));
+    let publisher = publisher_via(&proxy);
+    let batch = envelopes(&rabbit.exchange, 10);
+    let given_up =
+        tokio::time::timeout(Duration::from_millis(500), publisher.publish(&batch)).await;
+    assert!(given_up.is_err(), "connected in spite of the delay");
+    proxy.delay_answers(Duration::ZERO);
+    let after = publisher.publish(&batch).await.expect("batch after");
+    assert!(after.iter().all(Result::is_ok), "{after:?}");
+    assert_eq!(
+        proxy.accepted(),
+        1,
+        "the batch after one given up while connecting connected again"
+    );
+    publisher.close().await;
+    rabbit.cleanup().await;
 }

@@ -247,19 +247,18 @@ impl Broker {
     /// reconnects (used after a confirm timeout, when the socket may be
     /// black-holed rather than closed).
     pub(super) async fn drop_link(&self, connection: &Arc<Connection>, why: &'static str) {
-        let mut link = self.link.lock().await;
-        if link
-            .as_ref()
-            .is_some_and(|l| Arc::ptr_eq(&l.connection, connection))
-        {
-            let old = link.take().expect("checked above");
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(1),
-                    old.connection.close(320, why.into()),
-                )
-                .await;
-            });
+        forget(&mut *self.link.lock().await, connection, why);
+    }
+
+    /// [`Broker::drop_link`] at once, unless the link is in use this very
+    /// moment: then it is dropped as soon as it is free.
+    pub(super) fn drop_link_now(self: &Arc<Self>, connection: &Arc<Connection>, why: &'static str) {
+        match self.link.try_lock() {
+            Ok(mut link) => forget(&mut link, connection, why),
+            Err(_) => {
+                let (broker, connection) = (self.clone(), connection.clone());
+                tokio::spawn(async move { broker.drop_link(&connection, why).await });
+            }
         }
     }
 
@@ -344,6 +343,24 @@ impl Broker {
         });
         let found = futures::future::try_join_all(checks).await?;
         Ok(found.into_iter().flatten().collect())
+    }
+}
+
+/// Takes `connection` out of `link` if it is still the link there, and
+/// closes it in the background.
+fn forget(link: &mut Option<Link>, connection: &Arc<Connection>, why: &'static str) {
+    if link
+        .as_ref()
+        .is_some_and(|l| Arc::ptr_eq(&l.connection, connection))
+    {
+        let old = link.take().expect("checked above");
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                old.connection.close(320, why.into()),
+            )
+            .await;
+        });
     }
 }
 

@@ -489,10 +489,10 @@ impl Drop for Handed {
         if self.done || self.connection.status().blocked() {
             return;
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let broker = self.broker.clone();
-            let connection = self.connection.clone();
-            runtime.spawn(async move { broker.drop_link(&connection, "batch abandoned").await });
+        // Outside a runtime (one shutting down) the connection goes with it.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.broker
+                .drop_link_now(&self.connection, "batch abandoned");
         }
     }
 }
