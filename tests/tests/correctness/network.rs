@@ -81,19 +81,47 @@ async fn slow_link(db: TestDb, sink: Sink, proxy: &Proxy) {
     // About 2.5 MB: 25 s at the link's pace.
     let what = format!("link slowed to {SLOW_LINK} bytes/s");
     let bound = BATCH * (PIPELINE + 1);
-    drain_while_slow(db, sink, proxy, spec, &what, bound, |p, on| {
-        p.throttle(if on { SLOW_LINK } else { 0 })
-    })
+    drain_while_slow(
+        db,
+        sink,
+        proxy,
+        Front::Broker,
+        spec,
+        &what,
+        bound,
+        |p, on| p.throttle(if on { SLOW_LINK } else { 0 }),
+    )
     .await;
 }
 
-/// Starts a relay behind `proxy`, slows the proxy with `slow(proxy, true)`,
-/// writes `spec`, and requires the outbox to drain while it stays slow; then
-/// lifts the slowness and judges the run against `bound` duplicates.
+/// What the proxy of [`drain_while_slow`] stands in front of.
+#[derive(Clone, Copy)]
+enum Front {
+    Broker,
+    Postgres,
+}
+
+/// The test database's URL with `via` (host:port) for its address.
+fn pg_url_via(via: &str) -> String {
+    let url = outbox_tests::pg_url();
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let (user, rest) = rest.rsplit_once('@').map_or(("", rest), |(u, r)| (u, r));
+    let path = rest.find('/').map_or("", |i| &rest[i..]);
+    let at = if user.is_empty() { "" } else { "@" };
+    format!("{scheme}://{user}{at}{via}{path}")
+}
+
+/// Starts a relay with `proxy` in `front` of its broker or its Postgres,
+/// slows the proxy with `slow(proxy, true)`, writes `spec` (directly, not
+/// through the proxy), and requires the outbox to drain while it stays
+/// slow; then lifts the slowness and judges the run against `bound`
+/// duplicates.
+#[allow(clippy::too_many_arguments)]
 async fn drain_while_slow(
     db: TestDb,
     sink: Sink,
     proxy: &Proxy,
+    front: Front,
     spec: Spec,
     what: &str,
     bound: usize,
@@ -102,7 +130,15 @@ async fn drain_while_slow(
     outbox_tests::init_logging();
     let started = Instant::now();
     let via = format!("127.0.0.1:{}", proxy.port);
-    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
+    let env = match front {
+        Front::Broker => env_for(&db, &sink, Some(&via)),
+        Front::Postgres => {
+            let mut env = env_for(&db, &sink, None);
+            env.push(("OUTBOX_DATABASE_URL", pg_url_via(&via)));
+            env
+        }
+    };
+    let relay = RelayProcess::start(RELAY_BIN, &env);
     slow(proxy, true);
     let written = workload::spawn(&db, spec).await.expect("writers");
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
@@ -149,9 +185,16 @@ async fn slow_answers(db: TestDb, sink: Sink, proxy: &Proxy, late: Duration) {
     let spec = spec(&sink, 600);
     let what = format!("broker's answers {late:?} late");
     let bound = BATCH * (PIPELINE + 1);
-    drain_while_slow(db, sink, proxy, spec, &what, bound, |p, on| {
-        p.delay_answers(if on { late } else { Duration::ZERO })
-    })
+    drain_while_slow(
+        db,
+        sink,
+        proxy,
+        Front::Broker,
+        spec,
+        &what,
+        bound,
+        |p, on| p.delay_answers(if on { late } else { Duration::ZERO }),
+    )
     .await;
 }
 
@@ -214,4 +257,54 @@ async fn s15_kafka_set_up_longer_than_a_batch() {
     )
     .await;
     tansu.stop().await;
+}
+
+/// How late every answer of the Postgres of scenario 16 arrives.
+const SLOW_POSTGRES: Duration = Duration::from_millis(300);
+
+/// Scenario 16: everything Postgres sends the relay arrives `SLOW_POSTGRES`
+/// late (a database in another region, or one slow to answer under load),
+/// from the relay's start; the writers' own sessions are not slowed. Each
+/// batch takes several such round trips (the claim, the durability
+/// barrier, the settle), a good share of half the hold limit (5 s). The
+/// outbox must drain with nothing lost or out of order, and nothing
+/// repeated beyond one cut-short set of batches.
+async fn slow_postgres(db: TestDb, sink: Sink) {
+    let proxy = Proxy::start(&pg_address()).await;
+    let spec = spec(&sink, 600);
+    let what = format!("postgres's answers {SLOW_POSTGRES:?} late");
+    let bound = BATCH * (PIPELINE + 1);
+    drain_while_slow(
+        db,
+        sink,
+        &proxy,
+        Front::Postgres,
+        spec,
+        &what,
+        bound,
+        |p, on| p.delay_answers(if on { SLOW_POSTGRES } else { Duration::ZERO }),
+    )
+    .await;
+}
+
+/// The test database's host:port.
+fn pg_address() -> String {
+    let url = outbox_tests::pg_url();
+    let rest = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
+    let host = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+    host.split('/').next().unwrap_or(host).to_owned()
+}
+
+#[tokio::test]
+async fn s16_amqp_postgres_answers_late() {
+    slow_postgres(TestDb::new().await, Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn s16_kafka_postgres_answers_late() {
+    slow_postgres(
+        TestDb::new().await,
+        Sink::kafka(&outbox_tests::kafka_brokers()).await,
+    )
+    .await;
 }
