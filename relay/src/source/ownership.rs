@@ -296,42 +296,44 @@ async fn heartbeat(
     let share = PARTITIONS as usize / present + usize::from(rank < PARTITIONS as usize % present);
     let before = mine.clone();
 
-    while mine.len() > share {
-        let Some(p) = mine.pop() else { break };
+    // Each a single round trip, whatever the number of partitions: on a
+    // link with a long round trip, one per partition (64 at a lone
+    // replica's start) outlasted the session's bound, and the replica never
+    // finished registering.
+    if mine.len() > share {
+        let surplus: Vec<i32> = mine.drain(share..).map(i32::from).collect();
         client
             .execute(
-                "SELECT pg_advisory_unlock($1, $2)",
-                &[&keys.partitions, &i32::from(p)],
+                "SELECT pg_advisory_unlock($1, p) FROM unnest($2::int4[]) AS p",
+                &[&keys.partitions, &surplus],
             )
             .await?;
     }
     if mine.len() < share {
-        let mut free: Vec<i16> = (0..PARTITIONS).filter(|p| !mine.contains(p)).collect();
+        let mut free: Vec<i32> = (0..PARTITIONS)
+            .filter(|p| !mine.contains(p))
+            .map(i32::from)
+            .collect();
         free.shuffle(&mut rand::rng());
-        for p in free {
-            if mine.len() >= share {
-                break;
-            }
-            let got: bool = client
-                .query_one(
-                    "SELECT pg_try_advisory_lock($1, $2)",
-                    &[&keys.partitions, &i32::from(p)],
-                )
-                .await?
-                .get(0);
-            if got {
-                mine.push(p);
-                client
-                    .execute(
-                        &format!(
-                            "INSERT INTO {owners} (partition, slot) VALUES ($1, $2) \
-                             ON CONFLICT (partition) DO UPDATE SET slot = $2, since = now()"
-                        ),
-                        &[&p, &slot],
-                    )
-                    .await?;
-            }
-        }
+        let wanted = i64::try_from(share - mine.len()).unwrap_or(i64::MAX);
+        // The scan of the candidates hands them up one at a time, and the
+        // limit stops it once enough were locked: no partition past those
+        // is tried, so none is locked and left unrecorded.
+        let taken = client
+            .query(
+                &format!(
+                    "WITH taken AS ( \
+                       SELECT p::int2 AS partition FROM unnest($2::int4[]) AS p \
+                       WHERE pg_try_advisory_lock($1, p) LIMIT $4 \
+                     ) \
+                     INSERT INTO {owners} (partition, slot) SELECT partition, $3 FROM taken \
+                     ON CONFLICT (partition) DO UPDATE SET slot = $3, since = now() \
+                     RETURNING partition"
+                ),
+                &[&keys.partitions, &free, &slot, &wanted],
+            )
+            .await?;
+        mine.extend(taken.iter().map(|row| row.get::<_, i16>(0)));
     }
     let owned_by_anyone: i64 = client
         .query_one(
