@@ -9,6 +9,7 @@ use outbox_tests::process::{tansu_behind_proxy, RelayProcess};
 use outbox_tests::proxy::{Mode, Proxy};
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
+use rand::Rng;
 
 use super::{env_for, scale, settle_within, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN};
 
@@ -307,4 +308,96 @@ async fn s16_kafka_postgres_answers_late() {
         Sink::kafka(&outbox_tests::kafka_brokers()).await,
     )
     .await;
+}
+
+/// One fault of scenario 17's link, held for a while and then lifted.
+#[derive(Debug, Clone, Copy)]
+enum LinkFault {
+    /// Every answer of the broker this late.
+    Late(Duration),
+    /// The relay's bytes to the broker at this many per second.
+    Slow(u64),
+    /// Nothing forwarded; lifting it closes the connections.
+    BlackHole,
+    /// Every connection closed, and new ones refused.
+    Refuse,
+    /// Open connections silent for good, as behind a load balancer that
+    /// lost its backend; new ones pass once it is lifted.
+    Strand,
+}
+
+impl LinkFault {
+    fn pick(rng: &mut impl rand::Rng) -> LinkFault {
+        match rng.random_range(0..5) {
+            0 => LinkFault::Late(Duration::from_millis(rng.random_range(100..2_000))),
+            1 => LinkFault::Slow(rng.random_range(30_000..300_000)),
+            2 => LinkFault::BlackHole,
+            3 => LinkFault::Refuse,
+            _ => LinkFault::Strand,
+        }
+    }
+
+    fn apply(self, proxy: &Proxy) {
+        match self {
+            LinkFault::Late(by) => proxy.delay_answers(by),
+            LinkFault::Slow(rate) => proxy.throttle(rate),
+            LinkFault::BlackHole => proxy.set(Mode::BlackHole),
+            LinkFault::Refuse => proxy.set(Mode::Refuse),
+            LinkFault::Strand => proxy.set(Mode::Strand),
+        }
+    }
+}
+
+/// Scenario 17: while writers write, the link to the broker goes through
+/// a seeded random run of the faults above, each held 1-4 s, with 0-2 s of
+/// a clear link between them, for 40 s; then it stays clear. Set-ups cut
+/// short, connections dropped with batches in flight, and slow answers
+/// meet in orders no single scenario tries. Nothing may be lost or out of
+/// order, and each fault may repeat at most the batches then in flight.
+/// `OUTBOX_TEST_SEED` replays a run.
+async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy) {
+    use rand::SeedableRng;
+    outbox_tests::init_logging();
+    let seed = outbox_tests::seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+    let via = format!("127.0.0.1:{}", proxy.port);
+    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
+    let writers = workload::spawn(&db, spec(&sink, scale(4_000)));
+    let mut faults = Vec::new();
+    // The most rows seen waiting at the end of a fault.
+    let mut held_back = 0;
+    while started.elapsed() < Duration::from_secs(40) {
+        let fault = LinkFault::pick(&mut rng);
+        fault.apply(proxy);
+        faults.push(fault);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(1_000..4_000))).await;
+        held_back = held_back.max(db.pending().await);
+        proxy.set(Mode::Pass);
+        proxy.throttle(0);
+        proxy.delay_answers(Duration::ZERO);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..2_000))).await;
+    }
+    let written = writers.await.expect("writers");
+    eprintln!("seed {seed}: faults {faults:?}");
+    let bound = faults.len() * BATCH * (PIPELINE + 1);
+    let name = format!("{}: {} mixed link faults", sink.broker(), faults.len());
+    settle_within(&db, &sink, &written, &name, started, bound).await;
+    assert!(held_back > 0, "no fault held a message back: {faults:?}");
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s17_amqp_link_faults_mixed() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    link_faults_mixed(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+#[tokio::test]
+async fn s17_kafka_link_faults_mixed() {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    link_faults_mixed(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
 }
