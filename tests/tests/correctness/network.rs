@@ -102,6 +102,20 @@ enum Front {
     Postgres,
 }
 
+/// The relay's environment with `proxy` in `front` of its broker or its
+/// Postgres.
+fn env_via(db: &TestDb, sink: &Sink, proxy: &Proxy, front: Front) -> Vec<(&'static str, String)> {
+    let via = format!("127.0.0.1:{}", proxy.port);
+    match front {
+        Front::Broker => env_for(db, sink, Some(&via)),
+        Front::Postgres => {
+            let mut env = env_for(db, sink, None);
+            env.push(("OUTBOX_DATABASE_URL", pg_url_via(&via)));
+            env
+        }
+    }
+}
+
 /// The test database's URL with `via` (host:port) for its address.
 fn pg_url_via(via: &str) -> String {
     let url = outbox_tests::pg_url();
@@ -130,16 +144,7 @@ async fn drain_while_slow(
 ) {
     outbox_tests::init_logging();
     let started = Instant::now();
-    let via = format!("127.0.0.1:{}", proxy.port);
-    let env = match front {
-        Front::Broker => env_for(&db, &sink, Some(&via)),
-        Front::Postgres => {
-            let mut env = env_for(&db, &sink, None);
-            env.push(("OUTBOX_DATABASE_URL", pg_url_via(&via)));
-            env
-        }
-    };
-    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let relay = RelayProcess::start(RELAY_BIN, &env_via(&db, &sink, proxy, front));
     slow(proxy, true);
     let written = workload::spawn(&db, spec).await.expect("writers");
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
@@ -355,15 +360,19 @@ impl LinkFault {
 /// meet in orders no single scenario tries. Nothing may be lost or out of
 /// order, and each fault may repeat at most the batches then in flight.
 /// `OUTBOX_TEST_SEED` replays a run.
-async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy) {
+async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy, front: Front) {
     use rand::SeedableRng;
     outbox_tests::init_logging();
     let seed = outbox_tests::seed();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let started = Instant::now();
-    let via = format!("127.0.0.1:{}", proxy.port);
-    let relay = RelayProcess::start(RELAY_BIN, &env_for(&db, &sink, Some(&via)));
-    let writers = workload::spawn(&db, spec(&sink, scale(4_000)));
+    let relay = RelayProcess::start(RELAY_BIN, &env_via(&db, &sink, proxy, front));
+    // Paced to write for about as long as the faults last.
+    let paced = Spec {
+        max_commit_delay: Duration::from_millis(350),
+        ..spec(&sink, scale(4_000))
+    };
+    let writers = workload::spawn(&db, paced);
     let mut faults = Vec::new();
     // The most rows seen waiting at the end of a fault.
     let mut held_back = 0;
@@ -381,7 +390,15 @@ async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy) {
     let written = writers.await.expect("writers");
     eprintln!("seed {seed}: faults {faults:?}");
     let bound = faults.len() * BATCH * (PIPELINE + 1);
-    let name = format!("{}: {} mixed link faults", sink.broker(), faults.len());
+    let link = match front {
+        Front::Broker => "broker",
+        Front::Postgres => "postgres",
+    };
+    let name = format!(
+        "{}: {} mixed {link} link faults",
+        sink.broker(),
+        faults.len()
+    );
     settle_within(&db, &sink, &written, &name, started, bound).await;
     assert!(held_back > 0, "no fault held a message back: {faults:?}");
     stop(relay).await;
@@ -392,12 +409,47 @@ async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy) {
 #[tokio::test]
 async fn s17_amqp_link_faults_mixed() {
     let proxy = Proxy::start("127.0.0.1:5672").await;
-    link_faults_mixed(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    link_faults_mixed(
+        TestDb::new().await,
+        Sink::amqp().await,
+        &proxy,
+        Front::Broker,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn s17_kafka_link_faults_mixed() {
     let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    link_faults_mixed(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    link_faults_mixed(
+        TestDb::new().await,
+        Sink::kafka(&brokers).await,
+        &proxy,
+        Front::Broker,
+    )
+    .await;
     tansu.stop().await;
+}
+
+/// Scenario 18: scenario 17's faults on the relay's link to Postgres
+/// instead (its writers connect directly): sessions given up and opened
+/// again, claims and settles cut off, the durability barrier and the
+/// ownership heartbeat answered late.
+#[tokio::test]
+async fn s18_amqp_postgres_link_faults_mixed() {
+    let proxy = Proxy::start(&pg_address()).await;
+    link_faults_mixed(
+        TestDb::new().await,
+        Sink::amqp().await,
+        &proxy,
+        Front::Postgres,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn s18_kafka_postgres_link_faults_mixed() {
+    let proxy = Proxy::start(&pg_address()).await;
+    let sink = Sink::kafka(&outbox_tests::kafka_brokers()).await;
+    link_faults_mixed(TestDb::new().await, sink, &proxy, Front::Postgres).await;
 }
