@@ -292,17 +292,30 @@ impl<P: Publisher> Relay<P> {
     ) -> Result<(), Error> {
         let mut backoff = Backoff::new(Duration::from_millis(200), self.settings.reconnect_max);
         let mut said = false;
+        let half = self.settings.hold_limit / 2;
         loop {
-            match source::connect(&self.pg, self.settings.hold_limit).await {
+            let fault = match source::connect(&self.pg, self.settings.hold_limit).await {
                 Ok(client) => {
-                    source::check_session(&self.pg).await?;
-                    return queries
-                        .check_schema(&client)
-                        .await
-                        .map_err(|e| Error::SchemaMissing {
-                            schema: self.schema.to_string(),
-                            cause: e,
-                        });
+                    // Bounded like every later round trip: a connection
+                    // that stays open and silent (a balancer that lost its
+                    // backend) would otherwise hold start-up for good. An
+                    // unanswered check is waited out like an unreachable
+                    // server.
+                    let checked = tokio::time::timeout(half, async {
+                        source::check_session(&self.pg).await?;
+                        queries
+                            .check_schema(&client)
+                            .await
+                            .map_err(|e| Error::SchemaMissing {
+                                schema: self.schema.to_string(),
+                                cause: e,
+                            })
+                    })
+                    .await;
+                    match checked {
+                        Ok(checked) => return checked,
+                        Err(_) => source::PgFault::Unanswered(half),
+                    }
                 }
                 // At start-up, an error that repeats until someone fixes the
                 // configuration (password, user, database) stops the relay
@@ -312,18 +325,17 @@ impl<P: Publisher> Relay<P> {
                 Err(source::PgFault::Postgres(e)) if !source::worth_waiting_for(&e) => {
                     return Err(Error::Postgres(e))
                 }
-                Err(e) => {
-                    if !said {
-                        tracing::warn!(error = %e, "cannot reach postgres; waiting for it");
-                        said = true;
-                    } else {
-                        tracing::debug!(error = %e, "postgres still unreachable");
-                    }
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(backoff.next_delay()) => {}
-                    }
-                }
+                Err(e) => e,
+            };
+            if !said {
+                tracing::warn!(error = %fault, "cannot reach postgres; waiting for it");
+                said = true;
+            } else {
+                tracing::debug!(error = %fault, "postgres still unreachable");
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
             }
         }
     }
