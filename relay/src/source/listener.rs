@@ -34,7 +34,14 @@ pub async fn run(
         Duration::from_millis(100),
         reconnect_max,
         &shutdown,
-        || listen_once(&config, &channel, &wake, &shutdown),
+        // Connecting and LISTEN may wait out ANSWER on a stranded
+        // connection; shutdown does not wait with them.
+        || async {
+            tokio::select! {
+                _ = shutdown.cancelled() => Ok(()),
+                listened = listen_once(&config, &channel, &wake, &shutdown) => listened,
+            }
+        },
         |e| tracing::warn!(error = %e, "listen connection lost; polling continues meanwhile"),
     )
     .await;
