@@ -292,6 +292,12 @@ impl<P: Publisher> Relay<P> {
     ) -> Result<(), Error> {
         let mut backoff = Backoff::new(Duration::from_millis(200), self.settings.reconnect_max);
         let mut said = false;
+        /// What start-up's checks found.
+        enum Check {
+            Ready,
+            Wait(source::PgFault),
+            Stop(Error),
+        }
         let half = self.settings.hold_limit / 2;
         loop {
             let fault = match source::connect(&self.pg, self.settings.hold_limit).await {
@@ -299,21 +305,36 @@ impl<P: Publisher> Relay<P> {
                     // Bounded like every later round trip: a connection
                     // that stays open and silent (a balancer that lost its
                     // backend) would otherwise hold start-up for good. An
-                    // unanswered check is waited out like an unreachable
-                    // server.
+                    // unanswered check, or a connection lost meanwhile (a
+                    // server restarting), is waited out like an unreachable
+                    // server; only what repeats until someone fixes it (a
+                    // pooler, a missing schema) stops the relay.
                     let checked = tokio::time::timeout(half, async {
-                        source::check_session(&self.pg).await?;
-                        queries
-                            .check_schema(&client)
-                            .await
-                            .map_err(|e| Error::SchemaMissing {
+                        match source::check_session(&self.pg).await {
+                            Ok(()) => {}
+                            Err(source::SessionError::Postgres(e))
+                                if source::worth_waiting_for(&e) =>
+                            {
+                                return Check::Wait(source::PgFault::Postgres(e))
+                            }
+                            Err(e) => return Check::Stop(e.into()),
+                        }
+                        match queries.check_schema(&client).await {
+                            Ok(()) => Check::Ready,
+                            Err(e) if source::worth_waiting_for(&e) => {
+                                Check::Wait(source::PgFault::Postgres(e))
+                            }
+                            Err(e) => Check::Stop(Error::SchemaMissing {
                                 schema: self.schema.to_string(),
                                 cause: e,
-                            })
+                            }),
+                        }
                     })
                     .await;
                     match checked {
-                        Ok(checked) => return checked,
+                        Ok(Check::Ready) => return Ok(()),
+                        Ok(Check::Stop(e)) => return Err(e),
+                        Ok(Check::Wait(fault)) => fault,
                         Err(_) => source::PgFault::Unanswered(half),
                     }
                 }
