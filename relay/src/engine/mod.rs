@@ -298,18 +298,22 @@ impl<P: Publisher> Relay<P> {
             Wait(source::PgFault),
             Stop(Error),
         }
-        let half = self.settings.hold_limit / 2;
+        // The checks take a few dozen round trips (two more connections,
+        // the session probe, the schema): 11 s on a link with a 300 ms
+        // round trip. The bound only has to end a wait on a connection
+        // that will never answer.
+        let bound = self.settings.hold_limit.max(Duration::from_secs(30));
         loop {
             let fault = match source::connect(&self.pg, self.settings.hold_limit).await {
                 Ok(client) => {
-                    // Bounded like every later round trip: a connection
-                    // that stays open and silent (a balancer that lost its
-                    // backend) would otherwise hold start-up for good. An
+                    // Bounded: a connection that stays open and silent (a
+                    // balancer that lost its backend) would otherwise hold
+                    // start-up for good. An
                     // unanswered check, or a connection lost meanwhile (a
                     // server restarting), is waited out like an unreachable
                     // server; only what repeats until someone fixes it (a
                     // pooler, a missing schema) stops the relay.
-                    let checked = tokio::time::timeout(half, async {
+                    let checked = tokio::time::timeout(bound, async {
                         match source::check_session(&self.pg).await {
                             Ok(()) => {}
                             Err(source::SessionError::Postgres(e))
@@ -335,7 +339,7 @@ impl<P: Publisher> Relay<P> {
                         Ok(Check::Ready) => return Ok(()),
                         Ok(Check::Stop(e)) => return Err(e),
                         Ok(Check::Wait(fault)) => fault,
-                        Err(_) => source::PgFault::Unanswered(half),
+                        Err(_) => source::PgFault::Unanswered(bound),
                     }
                 }
                 // At start-up, an error that repeats until someone fixes the
