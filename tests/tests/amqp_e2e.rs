@@ -385,19 +385,38 @@ async fn a_batch_given_up_after_sending_takes_its_connection_with_it() {
     // Connected, the exchange checked, a channel idle: the next batch is
     // sent at once, and its confirms are two seconds away.
     proxy.delay_answers(Duration::from_secs(2));
-    let given_up =
-        tokio::time::timeout(Duration::from_millis(500), publisher.publish(&batch[1..])).await;
-    assert!(given_up.is_err(), "confirmed in spite of the delay");
+    give_up(&publisher, &batch[1..], "confirmed in spite of the delay").await;
     proxy.delay_answers(Duration::ZERO);
-    let after = publisher.publish(&batch[..1]).await.expect("batch after");
-    assert!(after.iter().all(Result::is_ok), "{after:?}");
-    assert_eq!(
-        proxy.accepted(),
+    publish_and_count(
+        &proxy,
+        &publisher,
+        &batch[..1],
         2,
-        "the batch after one given up after sending went out on the same connection"
-    );
+        "the batch after one given up after sending went out on the same connection",
+    )
+    .await;
     publisher.close().await;
     rabbit.cleanup().await;
+}
+
+/// Publishes `batch` and gives it up after 500 ms, which it must not outlast.
+async fn give_up(publisher: &AmqpPublisher, batch: &[Envelope], answered: &str) {
+    let given_up = tokio::time::timeout(Duration::from_millis(500), publisher.publish(batch)).await;
+    assert!(given_up.is_err(), "{answered}");
+}
+
+/// Publishes `batch`, which must be confirmed whole, and checks that the
+/// proxy has accepted `connections` by then.
+async fn publish_and_count(
+    proxy: &Proxy,
+    publisher: &AmqpPublisher,
+    batch: &[Envelope],
+    connections: u64,
+    otherwise: &str,
+) {
+    let after = publisher.publish(batch).await.expect("batch after");
+    assert!(after.iter().all(Result::is_ok), "{after:?}");
+    assert_eq!(proxy.accepted(), connections, "{otherwise}");
 }
 
 /// A batch given up while the publisher is still connecting has sent
@@ -412,17 +431,16 @@ async fn a_batch_given_up_while_connecting_leaves_the_connection_to_the_next() {
     proxy.delay_answers(Duration::from_secs(1));
     let publisher = publisher_via(&proxy);
     let batch = envelopes(&rabbit.exchange, 10);
-    let given_up =
-        tokio::time::timeout(Duration::from_millis(500), publisher.publish(&batch)).await;
-    assert!(given_up.is_err(), "connected in spite of the delay");
+    give_up(&publisher, &batch, "connected in spite of the delay").await;
     proxy.delay_answers(Duration::ZERO);
-    let after = publisher.publish(&batch).await.expect("batch after");
-    assert!(after.iter().all(Result::is_ok), "{after:?}");
-    assert_eq!(
-        proxy.accepted(),
+    publish_and_count(
+        &proxy,
+        &publisher,
+        &batch,
         1,
-        "the batch after one given up while connecting connected again"
-    );
+        "the batch after one given up while connecting connected again",
+    )
+    .await;
     publisher.close().await;
     rabbit.cleanup().await;
 }
