@@ -63,6 +63,27 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// `n` envelopes for `destination`, as a claim would hand them to a
+/// publisher: sequence numbers from 0, ordering keys `k0`..`k{keys-1}` in
+/// turn, the sequence number as the payload.
+pub fn envelopes(destination: &str, n: i64, keys: i64) -> Vec<outbox_relay::publish::Envelope> {
+    (0..n)
+        .map(|seq| outbox_relay::publish::Envelope {
+            seq,
+            message_id: uuid::Uuid::now_v7(),
+            destination: destination.to_owned(),
+            ordering_key: Some(format!("k{}", seq % keys)),
+            routing_key: String::new(),
+            headers: Vec::new(),
+            payload: seq.to_string().into_bytes(),
+            content_type: None,
+            event_type: None,
+            created_at: std::time::SystemTime::now(),
+            attempts: 0,
+        })
+        .collect()
+}
+
 /// The median of `v` (the mean of the middle two for an even count), for
 /// benchmarks that report the middle of several rounds.
 pub fn median(mut v: Vec<f64>) -> f64 {

@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use outbox_client::Message;
+use outbox_relay::publish::kafka::{KafkaPublisher, KafkaSettings};
+use outbox_relay::publish::Publisher;
 use outbox_tests::check::{all_seen, check};
 use outbox_tests::db::TestDb;
 use outbox_tests::kafka::Fixture;
@@ -336,4 +338,49 @@ async fn the_consumer_reads_every_record_the_broker_confirmed() {
         &missing[..missing.len().min(5)]
     );
     kafka.stop().await;
+}
+
+/// A batch that must give up before the producer has its id and its
+/// topic's partitions hands librdkafka nothing: it comes back unsent, not
+/// timed out in librdkafka's queue, and the set-up goes on for the batches
+/// after it. Through a proxy that brings every answer back a second late,
+/// the set-up's round trips (connection, producer id, partitions) take
+/// longer than the first batch may wait.
+#[tokio::test]
+async fn a_batch_before_the_producer_is_set_up_comes_back_unsent() {
+    outbox_tests::init_logging();
+    let (tansu, proxy, brokers) = outbox_tests::process::tansu_behind_proxy().await;
+    let kafka = Fixture::new(&brokers, 1).await;
+    proxy.delay_answers(Duration::from_secs(1));
+    let publisher = KafkaPublisher::new(KafkaSettings {
+        brokers: brokers.clone(),
+        properties: Vec::new(),
+        message_timeout: Duration::from_secs(3),
+    })
+    .expect("producer");
+    let batch = outbox_tests::envelopes(&kafka.topic, 10, 3);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let first = publisher.publish_until(&batch, deadline).await;
+    match &first {
+        Err(e) => assert!(e.is_unsent(), "the first batch failed: {e}"),
+        Ok(v) => panic!("the first batch was answered within a second: {v:?}"),
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let next = publisher
+        .publish_until(&batch, deadline)
+        .await
+        .expect("the batch after waited for the set-up and went out");
+    assert!(next.iter().all(Result::is_ok), "{next:?}");
+    assert!(eventually(PATIENCE, || async { kafka.count() >= batch.len() }).await);
+    // Nothing of the batch given back reaches the broker later: the
+    // consumer reads each record once.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        kafka.count(),
+        batch.len(),
+        "records of the batch given back reached the broker"
+    );
+    publisher.close().await;
+    kafka.stop().await;
+    tansu.stop().await;
 }

@@ -30,6 +30,7 @@ use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 mod producer;
 mod record;
 mod settings;
+mod setup;
 
 use producer::KafkaProducer;
 use record::{headers, rejection};
@@ -115,16 +116,15 @@ impl KafkaPublisher {
             Err(e) => tracing::error!(error = %e, "cannot create a new kafka producer"),
         }
     }
-}
 
-impl Publisher for KafkaPublisher {
-    fn batch_bytes(&self) -> Option<usize> {
-        self.pace.limit()
-    }
-
-    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
+    /// Hands every record of the batch to `producer`, then waits for
+    /// their delivery reports.
+    async fn send(
+        &self,
+        producer: &Arc<KafkaProducer>,
+        batch: &[Envelope],
+    ) -> Result<Vec<Verdict>, PublishError> {
         let started = Instant::now();
-        let producer = self.producer();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         let mut pending = Vec::with_capacity(batch.len());
         // Keys with a record librdkafka refused here (too large, invalid):
@@ -160,7 +160,7 @@ impl Publisher for KafkaPublisher {
                     // records already queued still get their reports, but the
                     // batch as a whole is retried.
                     let _ = join_all(pending).await;
-                    self.recover_if_stuck(&producer, Some(&e));
+                    self.recover_if_stuck(producer, Some(&e));
                     return Err(PublishError::new("kafka: cannot queue record", e));
                 }
             }
@@ -223,7 +223,7 @@ impl Publisher for KafkaPublisher {
                 .speed_up(started.elapsed(), self.settings.message_timeout);
         }
         if let Some(e) = batch_error {
-            self.recover_if_stuck(&producer, Some(&e));
+            self.recover_if_stuck(producer, Some(&e));
             // Records the broker confirmed with an offset are in the log:
             // publishing them again with the rest, at every retry of a
             // partition that stays offline, would repeat them without
@@ -251,6 +251,66 @@ impl Publisher for KafkaPublisher {
             .into_iter()
             .map(|o| o.unwrap_or_else(|| Err(Rejection::retryable("no delivery report"))))
             .collect())
+    }
+}
+
+impl Publisher for KafkaPublisher {
+    fn batch_bytes(&self) -> Option<usize> {
+        self.pace.limit()
+    }
+
+    async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
+        let deadline = Instant::now() + 2 * self.settings.message_timeout;
+        self.publish_until(batch, deadline).await
+    }
+
+    /// Hands the batch to the producer once it is set up (see `setup`),
+    /// waiting for that up to half the time until `deadline`. A batch that
+    /// cannot wait longer is given back unsent while the set-up is younger
+    /// than the message timeout, and fails as an outage after that. Once
+    /// handed over, its records are answered within the message timeout.
+    async fn publish_until(
+        &self,
+        batch: &[Envelope],
+        deadline: Instant,
+    ) -> Result<Vec<Verdict>, PublishError> {
+        let mut producer = self.producer();
+        if producer.inner.client().fatal_error().is_some() {
+            self.recover_if_stuck(&producer, None);
+            producer = self.producer();
+        }
+        let mut topics: Vec<&str> = Vec::new();
+        for env in batch {
+            if !topics.contains(&env.destination.as_str()) {
+                topics.push(&env.destination);
+            }
+        }
+        let now = Instant::now();
+        let wait_until = now + deadline.saturating_duration_since(now) / 2;
+        let set_up = producer
+            .setup
+            .wait(
+                &producer.inner,
+                topics.iter().copied(),
+                self.settings.message_timeout,
+                wait_until,
+            )
+            .await;
+        if let Err(missing) = set_up {
+            let waited = missing.since.elapsed();
+            return Err(if waited < self.settings.message_timeout {
+                PublishError::unsent(format!(
+                    "kafka: the producer is still getting {} ({waited:?} so far)",
+                    missing.what
+                ))
+            } else {
+                PublishError::msg(format!(
+                    "kafka: the producer has been without {} for {waited:?}; brokers unreachable or slow",
+                    missing.what
+                ))
+            });
+        }
+        self.send(&producer, batch).await
     }
 
     /// One topic is one lane: the idempotent producer fails every later record

@@ -11,13 +11,22 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::producer::{BaseProducer, DeliveryResult, ProducerContext};
 
+use super::setup::SetUp;
+
 /// A record's delivery report: its partition and offset, or why it failed.
 pub(super) type Report = Result<(i32, i64), KafkaError>;
 
-/// Hands each delivery report to the future waiting for it.
-pub(super) struct Deliveries;
+/// Hands each delivery report to the future waiting for it, and each of
+/// librdkafka's statistics to the producer's set-up.
+pub(super) struct Deliveries {
+    setup: Arc<SetUp>,
+}
 
-impl ClientContext for Deliveries {}
+impl ClientContext for Deliveries {
+    fn stats_raw(&self, statistics: &[u8]) {
+        self.setup.statistics(statistics);
+    }
+}
 
 impl ProducerContext for Deliveries {
     type DeliveryOpaque = Box<oneshot::Sender<Report>>;
@@ -42,13 +51,23 @@ impl ProducerContext for Deliveries {
 /// second and destroys the producer itself.
 pub(super) struct KafkaProducer {
     pub(super) inner: Arc<BaseProducer<Deliveries>>,
+    /// How far the producer has got towards sending at once.
+    pub(super) setup: Arc<SetUp>,
     stop: Arc<AtomicBool>,
 }
 
 impl KafkaProducer {
     pub(super) fn new(config: &ClientConfig) -> Result<Self, KafkaError> {
-        let inner: Arc<BaseProducer<Deliveries>> =
-            Arc::new(config.create_with_context(Deliveries)?);
+        // Statistics carry the idempotence state the set-up waits for,
+        // unless the operator turned them off.
+        let statistics = config
+            .get("statistics.interval.ms")
+            .is_none_or(|ms| ms.trim() != "0");
+        let setup = SetUp::new(statistics);
+        let context = Deliveries {
+            setup: Arc::clone(&setup),
+        };
+        let inner: Arc<BaseProducer<Deliveries>> = Arc::new(config.create_with_context(context)?);
         let stop = Arc::new(AtomicBool::new(false));
         let (producer, stopped) = (Arc::clone(&inner), Arc::clone(&stop));
         std::thread::Builder::new()
@@ -59,7 +78,7 @@ impl KafkaProducer {
                 }
             })
             .map_err(|e| KafkaError::ClientCreation(format!("delivery report thread: {e}")))?;
-        Ok(KafkaProducer { inner, stop })
+        Ok(KafkaProducer { inner, setup, stop })
     }
 }
 

@@ -1,0 +1,234 @@
+//! Whether a producer is set up to send a topic's records at once.
+//!
+//! librdkafka counts a record's `message.timeout.ms` from the moment the
+//! record is handed to it. Before the first record can go out, the producer
+//! needs a connection, a producer id (idempotence) and the partitions of
+//! the record's topic: several round trips. On a link whose round trip is
+//! half the message timeout, records handed over at once time out in the
+//! queue, or are sent too late and time out in flight. One that times out
+//! in flight makes librdkafka bump its epoch, which starts the wait over.
+//! A broker that then fences the producer makes the relay build a new one,
+//! which starts from nothing.
+//!
+//! So a batch's records are handed over only once the producer has its id
+//! and knows their topics. Getting them goes on apart from any batch: a
+//! batch that cannot wait longer gives its rows back unsent, and the next
+//! batch finds the set-up further along.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::producer::{BaseProducer, Producer};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::producer::Deliveries;
+
+/// How often librdkafka reports its statistics, which carry its
+/// idempotence state: how late a producer's new id is noticed.
+pub(super) const STATISTICS_INTERVAL: Duration = Duration::from_millis(500);
+
+/// What a producer still lacks, and since when.
+#[derive(Debug)]
+pub(super) struct Missing {
+    pub(super) what: String,
+    pub(super) since: Instant,
+}
+
+/// A producer's set-up, as far as the relay can tell.
+pub(super) struct SetUp {
+    state: Mutex<State>,
+    changed: Notify,
+}
+
+struct State {
+    /// Since when the producer has been without a producer id: since it
+    /// was created, or since librdkafka's statistics last showed it
+    /// drained for a new epoch. `None` while it has one.
+    without_id_since: Option<Instant>,
+    /// Topics whose metadata the broker has answered for.
+    known: HashSet<String>,
+    /// Topics whose metadata is being asked for, and since when.
+    asking: Vec<(String, Instant)>,
+}
+
+impl SetUp {
+    /// A new producer's set-up. Without statistics (`statistics.interval.ms`
+    /// set to 0) its idempotence state cannot be seen and is not waited for.
+    pub(super) fn new(statistics: bool) -> Arc<SetUp> {
+        Arc::new(SetUp {
+            state: Mutex::new(State {
+                without_id_since: statistics.then(Instant::now),
+                known: HashSet::new(),
+                asking: Vec::new(),
+            }),
+            changed: Notify::new(),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the idempotence state from one of librdkafka's statistics.
+    pub(super) fn statistics(&self, json: &[u8]) {
+        let Some(state) = idempotence_state(json) else {
+            return;
+        };
+        let assigned = state == "Assigned";
+        let mut s = self.state();
+        let changed = match (&s.without_id_since, assigned) {
+            (Some(_), true) => {
+                s.without_id_since = None;
+                true
+            }
+            (None, false) => {
+                tracing::debug!(state, "kafka producer waits for a producer id");
+                s.without_id_since = Some(Instant::now());
+                true
+            }
+            _ => false,
+        };
+        drop(s);
+        if changed {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Waits until the producer has its id and knows every topic of
+    /// `topics`, or until `until`. Asks the broker for the metadata of a
+    /// topic not yet known; that goes on after the wait ends.
+    pub(super) async fn wait<'t>(
+        self: &Arc<Self>,
+        producer: &Arc<BaseProducer<Deliveries>>,
+        topics: impl Iterator<Item = &'t str> + Clone,
+        ask_for: Duration,
+        until: Instant,
+    ) -> Result<(), Missing> {
+        loop {
+            // Registered before the state is read, so a change in between
+            // is not missed.
+            let changed = self.changed.notified();
+            match self.missing(producer, topics.clone(), ask_for) {
+                None => return Ok(()),
+                Some(missing) => {
+                    if tokio::time::timeout_at(until, changed).await.is_err() {
+                        return Err(missing);
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is missing now, asking for the topics not yet asked for.
+    fn missing<'t>(
+        self: &Arc<Self>,
+        producer: &Arc<BaseProducer<Deliveries>>,
+        topics: impl Iterator<Item = &'t str>,
+        ask_for: Duration,
+    ) -> Option<Missing> {
+        let mut s = self.state();
+        let mut missing: Option<Missing> = s.without_id_since.map(|since| Missing {
+            what: "a producer id".into(),
+            since,
+        });
+        for topic in topics {
+            if s.known.contains(topic) {
+                continue;
+            }
+            let since = match s.asking.iter().find(|(t, _)| t == topic) {
+                Some((_, since)) => *since,
+                None => {
+                    let now = Instant::now();
+                    s.asking.push((topic.to_owned(), now));
+                    self.ask(producer, topic, ask_for);
+                    now
+                }
+            };
+            match &mut missing {
+                Some(m) => {
+                    m.what.push_str(&format!(", the partitions of {topic:?}"));
+                    m.since = m.since.min(since);
+                }
+                None => {
+                    missing = Some(Missing {
+                        what: format!("the partitions of {topic:?}"),
+                        since,
+                    })
+                }
+            }
+        }
+        missing
+    }
+
+    /// Asks the broker for `topic`'s metadata, which librdkafka keeps for
+    /// the records that follow. Any answer will do, one for a topic that
+    /// does not exist too: its records are then refused at once, as
+    /// without the question.
+    fn ask(
+        self: &Arc<Self>,
+        producer: &Arc<BaseProducer<Deliveries>>,
+        topic: &str,
+        timeout: Duration,
+    ) {
+        let (setup, producer, topic) = (Arc::clone(self), Arc::clone(producer), topic.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let answered = producer.client().fetch_metadata(Some(&topic), timeout);
+            let mut s = setup.state();
+            s.asking.retain(|(t, _)| *t != topic);
+            match answered {
+                Ok(_) => {
+                    s.known.insert(topic);
+                }
+                Err(e) => {
+                    tracing::debug!(topic, error = %e, "no metadata for the topic yet");
+                }
+            }
+            drop(s);
+            setup.changed.notify_waiters();
+        });
+    }
+}
+
+/// librdkafka's idempotence state in one of its statistics (`Assigned`
+/// once it has a producer id), if the statistics carry one.
+fn idempotence_state(json: &[u8]) -> Option<&str> {
+    const KEY: &str = "\"idemp_state\":";
+    let json = std::str::from_utf8(json).ok()?;
+    let rest = json[json.find(KEY)? + KEY.len()..].trim_start();
+    let rest = rest.strip_prefix('"')?;
+    Some(&rest[..rest.find('"')?])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_idempotence_state_as_librdkafka_writes_it() {
+        let json = br#"{"name": "p", "eos": { "idemp_state": "Assigned", "idemp_stateage": 12, "txn_state": "Init" }}"#;
+        assert_eq!(idempotence_state(json), Some("Assigned"));
+        let json = br#"{"eos":{"idemp_state":"WaitPID"}}"#;
+        assert_eq!(idempotence_state(json), Some("WaitPID"));
+        assert_eq!(idempotence_state(br#"{"name": "p"}"#), None);
+        assert_eq!(idempotence_state(br#"{"eos": { "idemp_state": "#), None);
+    }
+
+    #[tokio::test]
+    async fn the_statistics_tell_when_the_producer_has_its_id() {
+        let setup = SetUp::new(true);
+        assert!(setup.state().without_id_since.is_some());
+        setup.statistics(br#"{"eos": { "idemp_state": "WaitPID" }}"#);
+        assert!(setup.state().without_id_since.is_some());
+        setup.statistics(br#"{"eos": { "idemp_state": "Assigned" }}"#);
+        assert!(setup.state().without_id_since.is_none());
+        // An epoch bump drains the producer: without an id again.
+        setup.statistics(br#"{"eos": { "idemp_state": "DrainBump" }}"#);
+        assert!(setup.state().without_id_since.is_some());
+        // Statistics without the state change nothing.
+        setup.statistics(br#"{"name": "p"}"#);
+        assert!(setup.state().without_id_since.is_some());
+        assert!(SetUp::new(false).state().without_id_since.is_none());
+    }
+}
