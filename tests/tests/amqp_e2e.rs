@@ -351,21 +351,7 @@ fn publisher_via(proxy: &Proxy) -> AmqpPublisher {
 }
 
 fn envelopes(exchange: &str, n: i64) -> Vec<Envelope> {
-    (0..n)
-        .map(|seq| Envelope {
-            seq,
-            message_id: uuid::Uuid::now_v7(),
-            destination: exchange.to_owned(),
-            ordering_key: Some(format!("k{seq}")),
-            routing_key: String::new(),
-            headers: Vec::new(),
-            payload: seq.to_be_bytes().to_vec(),
-            content_type: None,
-            event_type: None,
-            created_at: SystemTime::now(),
-            attempts: 0,
-        })
-        .collect()
+    outbox_tests::envelopes(exchange, n, n)
 }
 
 /// A batch given up while it waits for its confirms (the relay's deadline

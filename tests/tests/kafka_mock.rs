@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use outbox_relay::publish::kafka::{KafkaPublisher, KafkaSettings};
-use outbox_relay::publish::{Envelope, Publisher, Receipt};
+use outbox_relay::publish::{Publisher, Receipt};
 use outbox_tests::check::{all_seen, check};
 use outbox_tests::db::TestDb;
 use outbox_tests::kafka::Fixture;
@@ -196,21 +196,7 @@ async fn a_delivery_report_without_an_offset_is_not_a_confirmation() {
     })
     .expect("producer");
     let consumer = Fixture::consume(&mock.bootstrap_servers(), &topic, 1);
-    let batch: Vec<Envelope> = (0..10)
-        .map(|i| Envelope {
-            seq: i,
-            message_id: uuid::Uuid::now_v7(),
-            destination: topic.clone(),
-            ordering_key: Some("k".into()),
-            routing_key: String::new(),
-            headers: Vec::new(),
-            payload: i.to_string().into_bytes(),
-            content_type: None,
-            event_type: None,
-            created_at: std::time::SystemTime::now(),
-            attempts: 0,
-        })
-        .collect();
+    let batch = outbox_tests::envelopes(&topic, 10, 1);
     // Slow answers keep the later requests in flight while the first fails.
     mock.broker_round_trip_time(1, Duration::from_millis(300))
         .expect("rtt");
