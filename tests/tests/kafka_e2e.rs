@@ -97,19 +97,7 @@ async fn record_too_large_is_recorded_and_does_not_block() {
         .build()
         .expect("valid");
     let huge_id = outbox.enqueue(&db.client, &huge).await.expect("enqueue");
-    let small: Vec<Message> = (0..300)
-        .map(|i| {
-            Message::builder(kafka.topic.as_str())
-                .key(format!("k{}", i % 7))
-                .json(&i)
-                .build()
-                .expect("valid")
-        })
-        .collect();
-    outbox
-        .enqueue_batch(&db.client, &small)
-        .await
-        .expect("enqueue");
+    enqueue_small(&db, &kafka.topic, 300).await;
 
     assert!(
         eventually(PATIENCE, || async { kafka.count() >= 300 }).await,
@@ -144,6 +132,23 @@ async fn record_too_large_is_recorded_and_does_not_block() {
     relay.stop().await;
     kafka.stop().await;
     db.cleanup().await;
+}
+
+/// Enqueues `n` small JSON messages for `topic` over seven keys.
+async fn enqueue_small(db: &TestDb, topic: &str, n: i32) {
+    let small: Vec<Message> = (0..n)
+        .map(|i| {
+            Message::builder(topic)
+                .key(format!("k{}", i % 7))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &small)
+        .await
+        .expect("enqueue");
 }
 
 /// The broker unreachable for 30 s (a proxy refusing every connection) while
@@ -383,4 +388,80 @@ async fn a_batch_before_the_producer_is_set_up_comes_back_unsent() {
     publisher.close().await;
     kafka.stop().await;
     tansu.stop().await;
+}
+
+/// A row for a topic that does not exist (a typo in a destination, a topic
+/// not created yet) is refused on its own with an error naming the topic,
+/// and counts its attempts. Handed to librdkafka, such a record waited out
+/// the message timeout (`topic.metadata.propagation.max.ms` is 30 s) and
+/// came back "timed out": the row was taken for unanswered, retried with no
+/// attempt counted, and its error named no topic. Neither its batch nor
+/// the broker's health may suffer for it.
+#[tokio::test]
+async fn a_row_for_a_topic_that_does_not_exist_is_refused_alone() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 2).await;
+    let db = TestDb::new().await;
+    let port = outbox_tests::free_port();
+    let env = [
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BROKER", "kafka".to_owned()),
+        ("OUTBOX_KAFKA_BROKERS", brokers.clone()),
+        ("OUTBOX_HOLD_LIMIT", "10s".to_owned()),
+        ("OUTBOX_CONFIRM_TIMEOUT", "3s".to_owned()),
+        ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
+    ];
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let missing = outbox_tests::unique("missing");
+    let outbox = db.outbox();
+    // A key of its own: a key's later rows wait behind a refused one.
+    let stray = Message::builder(missing.as_str())
+        .key("stray")
+        .json(&"stray")
+        .build()
+        .expect("valid");
+    let stray_id = outbox.enqueue(&db.client, &stray).await.expect("enqueue");
+    enqueue_small(&db, &kafka.topic, 200).await;
+    assert!(
+        eventually(PATIENCE, || async { kafka.count() >= 200 }).await,
+        "the rows for the topic that exists were held up"
+    );
+    let q = format!(
+        "SELECT attempts, last_error FROM {} WHERE message_id = $1",
+        db.table()
+    );
+    let stray_row = || async {
+        let row = db
+            .client
+            .query_opt(&q, &[&stray_id.0])
+            .await
+            .expect("select");
+        row.map(|r| (r.get::<_, i32>(0), r.get::<_, Option<String>>(1)))
+    };
+    assert!(
+        eventually(PATIENCE, || async {
+            stray_row().await.is_some_and(|(_, e)| e.is_some())
+        })
+        .await,
+        "the stray row was never tried"
+    );
+    let metrics = outbox_tests::http::scrape(port).await;
+    let failed = outbox_tests::http::sample(&metrics, "outbox_batch_failures_total");
+    assert_eq!(
+        failed,
+        Some(0.0),
+        "a batch failed as a whole (the broker looked down) for one row's topic: {:?}",
+        stray_row().await
+    );
+    let (attempts, error) = stray_row().await.expect("the stray row waits");
+    let error = error.unwrap_or_default();
+    assert!(
+        attempts >= 1 && error.contains(&missing) && error.contains("does not exist"),
+        "the stray row was not refused with an error naming its topic: {attempts} attempt(s), {error}"
+    );
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "clean exit on SIGTERM");
+    kafka.stop().await;
+    db.cleanup().await;
 }

@@ -139,6 +139,16 @@ impl KafkaPublisher {
                 )));
                 continue;
             }
+            if producer.setup.absent(&env.destination) {
+                if let Some(k) = key {
+                    refused.insert(k);
+                }
+                outcomes[i] = Some(Err(Rejection::retryable(format!(
+                    "kafka: topic {:?} does not exist (UnknownTopicOrPartition)",
+                    env.destination
+                ))));
+                continue;
+            }
             let (report, delivery) = oneshot::channel();
             let mut record =
                 BaseRecord::<[u8], [u8], _>::with_opaque_to(&env.destination, Box::new(report))

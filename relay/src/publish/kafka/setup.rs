@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::producer::{BaseProducer, Producer};
+use rdkafka::types::RDKafkaRespErr;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -49,6 +50,9 @@ struct State {
     without_id_since: Option<Instant>,
     /// Topics whose metadata the broker has answered for.
     known: HashSet<String>,
+    /// Topics the broker last said do not exist. Asked again with every
+    /// batch that holds one, so a topic created since is found.
+    absent: HashSet<String>,
     /// Topics whose metadata is being asked for, and since when.
     asking: Vec<(String, Instant)>,
 }
@@ -61,6 +65,7 @@ impl SetUp {
             state: Mutex::new(State {
                 without_id_since: statistics.then(Instant::now),
                 known: HashSet::new(),
+                absent: HashSet::new(),
                 asking: Vec::new(),
             }),
             changed: Notify::new(),
@@ -137,6 +142,15 @@ impl SetUp {
             if s.known.contains(topic) {
                 continue;
             }
+            if s.absent.contains(topic) {
+                // Answered already: its records are refused at once (see
+                // `SetUp::absent`). Asked again for the batches after.
+                if !s.asking.iter().any(|(t, _)| t == topic) {
+                    s.asking.push((topic.to_owned(), Instant::now()));
+                    self.ask(producer, topic, ask_for);
+                }
+                continue;
+            }
             let since = match s.asking.iter().find(|(t, _)| t == topic) {
                 Some((_, since)) => *since,
                 None => {
@@ -162,10 +176,17 @@ impl SetUp {
         missing
     }
 
+    /// Whether the broker said `topic` does not exist when last asked.
+    /// Its records are then not handed to librdkafka: it would hold them
+    /// for `topic.metadata.propagation.max.ms` (30 s) before failing them,
+    /// past a batch's time, and the broker would look down.
+    pub(super) fn absent(&self, topic: &str) -> bool {
+        self.state().absent.contains(topic)
+    }
+
     /// Asks the broker for `topic`'s metadata, which librdkafka keeps for
     /// the records that follow. Any answer will do, one for a topic that
-    /// does not exist too: its records are then refused at once, as
-    /// without the question.
+    /// does not exist too (see [`SetUp::absent`]).
     fn ask(
         self: &Arc<Self>,
         producer: &Arc<BaseProducer<Deliveries>>,
@@ -178,8 +199,18 @@ impl SetUp {
             let mut s = setup.state();
             s.asking.retain(|(t, _)| *t != topic);
             match answered {
-                Ok(_) => {
-                    s.known.insert(topic);
+                Ok(metadata) => {
+                    let unknown = metadata.topics().iter().any(|t| {
+                        t.name() == topic
+                            && t.error()
+                                == Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
+                    });
+                    if unknown {
+                        s.absent.insert(topic);
+                    } else {
+                        s.absent.remove(&topic);
+                        s.known.insert(topic);
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(topic, error = %e, "no metadata for the topic yet");
