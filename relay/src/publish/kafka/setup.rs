@@ -111,11 +111,14 @@ impl SetUp {
         ask_for: Duration,
         until: Instant,
     ) -> Result<(), Missing> {
+        // A topic the broker said does not exist is asked for again once
+        // per batch, not at every change while the batch waits.
+        let mut ask_absent = true;
         loop {
             // Registered before the state is read, so a change in between
             // is not missed.
             let changed = self.changed.notified();
-            match self.missing(producer, topics.clone(), ask_for) {
+            match self.missing(producer, topics.clone(), ask_for, ask_absent) {
                 None => return Ok(()),
                 Some(missing) => {
                     if tokio::time::timeout_at(until, changed).await.is_err() {
@@ -123,6 +126,7 @@ impl SetUp {
                     }
                 }
             }
+            ask_absent = false;
         }
     }
 
@@ -132,6 +136,7 @@ impl SetUp {
         producer: &Arc<BaseProducer<Deliveries>>,
         topics: impl Iterator<Item = &'t str>,
         ask_for: Duration,
+        ask_absent: bool,
     ) -> Option<Missing> {
         let mut s = self.state();
         let mut missing: Option<Missing> = s.without_id_since.map(|since| Missing {
@@ -145,7 +150,7 @@ impl SetUp {
             if s.absent.contains(topic) {
                 // Answered already: its records are refused at once (see
                 // `SetUp::absent`). Asked again for the batches after.
-                if !s.asking.iter().any(|(t, _)| t == topic) {
+                if ask_absent && !s.asking.iter().any(|(t, _)| t == topic) {
                     s.asking.push((topic.to_owned(), Instant::now()));
                     self.ask(producer, topic, ask_for);
                 }
@@ -178,8 +183,8 @@ impl SetUp {
 
     /// Whether the broker said `topic` does not exist when last asked.
     /// Its records are then not handed to librdkafka: it would hold them
-    /// for `topic.metadata.propagation.max.ms` (30 s) before failing them,
-    /// past a batch's time, and the broker would look down.
+    /// until their message timeout (or `topic.metadata.propagation.max.ms`,
+    /// 30 s) and report them timed out, which says nothing of the topic.
     pub(super) fn absent(&self, topic: &str) -> bool {
         self.state().absent.contains(topic)
     }
