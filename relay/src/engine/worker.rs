@@ -163,12 +163,12 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 }
                 Some(Ok(BatchEnd::Empty { behind: true })) => {
                     // The batch ahead hands work over when it settles;
-                    // the pause is only a floor under that.
-                    broker.reset();
+                    // the pause is only a floor under that. An empty
+                    // claim says nothing of the broker: the backoff of
+                    // one that keeps failing stays where it is.
                     self.pause(idle.next_delay(), shutdown).await;
                 }
                 Some(Ok(BatchEnd::Empty { behind: false })) => {
-                    broker.reset();
                     self.poll_or_stand_by(&mut idle, false, shutdown).await;
                 }
                 Some(Err(BatchError::Publish(e))) => {
