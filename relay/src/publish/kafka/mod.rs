@@ -119,10 +119,13 @@ impl KafkaPublisher {
 
     /// Hands every record of the batch to `producer`, then waits for
     /// their delivery reports.
+    /// `absent` holds the batch's topics that the broker said do not exist:
+    /// their records are refused here.
     async fn send(
         &self,
         producer: &Arc<KafkaProducer>,
         batch: &[Envelope],
+        absent: &[&str],
     ) -> Result<Vec<Verdict>, PublishError> {
         let started = Instant::now();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
@@ -139,7 +142,7 @@ impl KafkaPublisher {
                 )));
                 continue;
             }
-            if producer.setup.absent(&env.destination) {
+            if absent.contains(&env.destination.as_str()) {
                 if let Some(k) = key {
                     refused.insert(k);
                 }
@@ -320,7 +323,8 @@ impl Publisher for KafkaPublisher {
                 ))
             });
         }
-        self.send(&producer, batch).await
+        let absent = producer.setup.absent(&topics);
+        self.send(&producer, batch, &absent).await
     }
 
     /// One topic is one lane: the idempotent producer fails every later record

@@ -181,12 +181,17 @@ impl SetUp {
         missing
     }
 
-    /// Whether the broker said `topic` does not exist when last asked.
-    /// Its records are then not handed to librdkafka: it would hold them
+    /// Those of `topics` that the broker said do not exist when last asked.
+    /// Their records are then not handed to librdkafka: it would hold them
     /// until their message timeout (or `topic.metadata.propagation.max.ms`,
     /// 30 s) and report them timed out, which says nothing of the topic.
-    pub(super) fn absent(&self, topic: &str) -> bool {
-        self.state().absent.contains(topic)
+    pub(super) fn absent<'t>(&self, topics: &[&'t str]) -> Vec<&'t str> {
+        let s = self.state();
+        topics
+            .iter()
+            .copied()
+            .filter(|t| s.absent.contains(*t))
+            .collect()
     }
 
     /// Asks the broker for `topic`'s metadata, which librdkafka keeps for
