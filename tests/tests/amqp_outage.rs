@@ -104,6 +104,7 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
         .expect("enqueue");
     assert!(eventually(Duration::from_secs(60), || async { rabbit.count() >= 100 }).await);
 
+    let updated_before = rows_updated(&db).await;
     let stopped = BrokerStopped::stop().await;
     let cpu_before = relay.cpu_time().expect("relay running");
     let wall = std::time::Instant::now();
@@ -138,11 +139,15 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
         .expect("counts");
     let (max_attempts, pending, dead, with_error): (i32, i64, i64, i64) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
+    // Counted by Postgres as each session's statistics reach it: at least
+    // once a second from a busy session, within 10 s from an idle one.
+    let updated = rows_updated(&db).await - updated_before;
     stopped.start().await;
 
     println!(
         "broker down {:?}: relay used {:?} of CPU ({:.1}% of one core); {pending} rows waited, \
-         {with_error} with the outage recorded as their last error",
+         {with_error} with the outage recorded as their last error; {updated} row versions \
+         written",
         elapsed,
         cpu,
         100.0 * cpu.as_secs_f64() / elapsed.as_secs_f64()
@@ -155,6 +160,18 @@ async fn broker_down_60s_counts_no_attempts_and_does_not_spin() {
     assert_eq!(
         dead, 0,
         "nothing may be dead-lettered because the broker was down"
+    );
+    // After its first failed batch, a worker asks the broker before it
+    // claims again: a claim while the broker is down writes the failure
+    // onto every row of its batch, and the table fills with dead row
+    // versions for as long as the outage lasts. So: one failed batch for
+    // each of the default 4 workers, each writing at most every waiting row
+    // (its own, and those it holds behind its keys). Claiming on through
+    // the outage wrote 86,500.
+    assert!(
+        updated <= 4 * 2000,
+        "{updated} rows updated during a 60 s outage: the relay kept claiming batches \
+         it could not publish"
     );
     // A busy loop would burn a whole core; waiting with backoff costs little.
     assert!(
@@ -330,4 +347,18 @@ async fn a_relay_started_during_a_memory_alarm_waits_it_out_and_loses_nothing() 
         db,
     )
     .await;
+}
+
+/// Row versions written into the test's outbox table by updates, as
+/// Postgres has counted them so far.
+async fn rows_updated(db: &TestDb) -> i64 {
+    db.client
+        .query_one(
+            "SELECT coalesce(sum(n_tup_upd), 0)::bigint FROM pg_stat_user_tables \
+             WHERE schemaname = $1 AND relname = 'messages'",
+            &[&db.schema.as_str()],
+        )
+        .await
+        .expect("table statistics")
+        .get(0)
 }

@@ -308,11 +308,11 @@ impl<P: Publisher> Relay<P> {
                 Ok(client) => {
                     // Bounded: a connection that stays open and silent (a
                     // balancer that lost its backend) would otherwise hold
-                    // start-up for good. An
-                    // unanswered check, or a connection lost meanwhile (a
-                    // server restarting), is waited out like an unreachable
-                    // server; only what repeats until someone fixes it (a
-                    // pooler, a missing schema) stops the relay.
+                    // start-up for good. An unanswered check, or a
+                    // connection lost meanwhile (a server restarting), is
+                    // waited out like an unreachable server; only what
+                    // repeats until someone fixes it (a pooler, a missing
+                    // schema) stops the relay.
                     let checked = tokio::time::timeout(bound, async {
                         match source::check_session(&self.pg).await {
                             Ok(()) => {}
@@ -487,14 +487,15 @@ async fn probe_broker<P: Publisher>(
     shutdown: CancellationToken,
 ) {
     loop {
-        let answer = tokio::time::timeout(Duration::from_secs(5), publisher.ready()).await;
+        let answer = tokio::time::timeout(worker::BROKER_QUESTION, publisher.ready()).await;
         match answer {
             Ok(Ok(())) => stats.note_broker_probe(None, quiet),
             Ok(Err(e)) => stats.note_broker_probe(Some(&e), quiet),
             Err(_) => stats.note_broker_probe(
-                Some(&crate::publish::PublishError::msg(
-                    "broker did not answer a probe within 5s",
-                )),
+                Some(&crate::publish::PublishError::msg(format!(
+                    "broker did not answer a probe within {:?}",
+                    worker::BROKER_QUESTION
+                ))),
                 quiet,
             ),
         }

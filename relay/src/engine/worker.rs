@@ -22,6 +22,9 @@ use crate::source::ownership::Owned;
 use crate::source::store::{BatchTx, OpenError, Session, Settle, Store, StoreError};
 use crate::supervise::{sleep_or_cancel, supervise};
 
+/// How long a question to the broker (`Publisher::ready`) is waited for.
+pub(super) const BROKER_QUESTION: Duration = Duration::from_secs(5);
+
 pub(super) struct Worker<P: Publisher, S: Store> {
     pub(super) id: usize,
     pub(super) idle: Idle,
@@ -131,7 +134,27 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         self.stats.note_postgres(self.id, None);
         let mut broker = Backoff::new(Duration::from_millis(100), self.settings.reconnect_max);
         let mut idle = Backoff::new(self.settings.poll_min, self.settings.poll_interval);
+        // Whether the last batch failed at the broker and the broker has not
+        // answered a question since.
+        let mut broker_failing = false;
         while !shutdown.is_cancelled() {
+            if broker_failing {
+                // Asked before claiming again: while the broker cannot be
+                // reached, a claim would only lock a batch, write the
+                // failure onto each of its rows (a dead row version each,
+                // for vacuum to clear) and release it.
+                match self.ask_broker(shutdown).await {
+                    None => return Ok(()),
+                    Some(Ok(())) => broker_failing = false,
+                    Some(Err(e)) => {
+                        tracing::debug!(worker = self.id, error = %e, "broker still unavailable; not claiming");
+                        if sleep_or_cancel(broker.next_delay(), shutdown).await {
+                            return Ok(());
+                        }
+                        continue;
+                    }
+                }
+            }
             match self.batch_until_grace(&mut db, shutdown).await {
                 Some(Ok(BatchEnd::Settled { more: true, .. })) => {
                     broker.reset();
@@ -174,6 +197,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 Some(Err(BatchError::Publish(e))) => {
                     // Stats::note_batch logged the change of state.
                     tracing::debug!(worker = self.id, error = %e, "broker unavailable; batch will be retried");
+                    broker_failing = true;
                     if sleep_or_cancel(broker.next_delay(), shutdown).await {
                         return Ok(());
                     }
@@ -196,6 +220,25 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             }
         }
         Ok(())
+    }
+
+    /// The broker's answer to [`Publisher::ready`], given up after
+    /// [`BROKER_QUESTION`] (a connection that stays silent); `None` on
+    /// shutdown.
+    async fn ask_broker(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<(), crate::publish::PublishError>> {
+        tokio::select! {
+            _ = shutdown.cancelled() => None,
+            answer = tokio::time::timeout(BROKER_QUESTION, self.publisher.ready()) => {
+                Some(answer.unwrap_or_else(|_| {
+                    Err(crate::publish::PublishError::msg(format!(
+                        "broker did not answer within {BROKER_QUESTION:?}"
+                    )))
+                }))
+            }
+        }
     }
 
     /// Pauses before the next claim after one that was not full (`found`

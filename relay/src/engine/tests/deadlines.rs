@@ -156,3 +156,42 @@ async fn a_lost_database_is_retried_with_capped_backoff_and_nothing_is_lost() {
         answered.len() - distinct.len()
     );
 }
+
+/// After a batch failed because the broker could not be reached, a worker
+/// asks the broker (`Publisher::ready`) before it claims again. While the
+/// broker stays down, each claim would only lock a batch, write the
+/// failure onto every row of it (a dead row version each, for vacuum) and
+/// release it: so none is made, and the backlog goes out once it is back.
+#[tokio::test(start_paused = true)]
+async fn a_broker_down_for_a_minute_is_asked_before_each_claim() {
+    let settings = Settings::default();
+    let workers = settings.pipeline + 1;
+    let store = MemoryStore::default();
+    store.set_statement_time(MS);
+    enqueue_spread(&store, 3_000, 30);
+    let broker = Broker::default();
+    broker.down.store(true, Ordering::Relaxed);
+    let relay = start(settings.clone(), store, broker);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let tried = relay.broker.batches.load(Ordering::Relaxed);
+    // One failed batch per worker at most; after it, questions only.
+    assert!(
+        (1..=workers).contains(&tried),
+        "{tried} batches claimed and tried by {workers} workers against a broker down for 60 s"
+    );
+    assert_eq!(relay.stats.counted(Event::BatchFailed), tried as u64);
+    relay.broker.down.store(false, Ordering::Relaxed);
+    relay
+        .until(Duration::from_secs(60), |r| r.store.waiting() == 0)
+        .await;
+    relay.stop().await;
+    let answered = relay.broker.answered();
+    let distinct: std::collections::HashSet<i64> = answered.iter().map(|a| a.0).collect();
+    assert_eq!(distinct.len(), 3_000);
+    assert_eq!(
+        answered.len(),
+        3_000,
+        "nothing was sent while the broker was down"
+    );
+    assert_key_order(&answered);
+}
