@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use outbox_relay::publish::kafka::{KafkaPublisher, KafkaSettings};
+use outbox_relay::publish::kafka::{murmur2_partition, KafkaPublisher, KafkaSettings};
 use outbox_relay::publish::{Publisher, Receipt};
 use outbox_tests::check::{all_seen, check};
 use outbox_tests::db::TestDb;
@@ -339,6 +339,19 @@ async fn a_produce_outage_keeps_the_broker_reported_down_until_it_ends() {
     db.cleanup().await;
 }
 
+/// What of `written` went to partitions other than `offline` (of 4).
+fn elsewhere(written: &Written, offline: i32) -> Written {
+    Written {
+        committed: written
+            .committed
+            .iter()
+            .filter(|(_, tag)| murmur2_partition(tag.key.as_bytes(), 4) != offline)
+            .map(|(id, tag)| (*id, tag.clone()))
+            .collect(),
+        ..Written::default()
+    }
+}
+
 /// What the offline-partition tests share: a 3-broker mock cluster with a
 /// topic of 4 partitions, replicated 3 times, a consumer of all four, and a
 /// relay sending batches of 100 with a 1.5 s message timeout, so that the
@@ -381,6 +394,23 @@ impl OfflineRun {
         }
     }
 
+    /// Has broker 1 alone lead partition `offline` and brokers 2 and 3 the
+    /// others, so that taking broker 1 down leaves `offline` without a
+    /// leader (the mock elects no new one).
+    fn lead(&self, offline: i32) {
+        let mut others = [2, 3].into_iter().cycle();
+        for partition in 0..4 {
+            let leader = if partition == offline {
+                1
+            } else {
+                others.next().expect("cycle")
+            };
+            self.mock
+                .partition_leader(&self.topic, partition, Some(leader))
+                .expect("leader");
+        }
+    }
+
     /// Stops the relay and the consumer, and drops the outbox.
     async fn finish(self) {
         self.relay.stop().await;
@@ -412,10 +442,7 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
     // Partition 0 led by broker 1, the others by brokers 2 and 3; then
     // broker 1 goes away, and partition 0 with it (the mock elects no new
     // leader).
-    for (partition, broker) in [(0, 1), (1, 2), (2, 3), (3, 2)] {
-        mock.partition_leader(topic, partition, Some(broker))
-            .expect("leader");
-    }
+    run.lead(0);
     mock.broker_down(1).expect("broker 1 down");
     tokio::time::sleep(Duration::from_secs(10)).await;
     mock.broker_up(1).expect("broker 1 up");
@@ -429,33 +456,6 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
         Some(run.bound),
     );
     run.finish().await;
-}
-
-/// The partition librdkafka's `murmur2_random` partitioner (the relay's)
-/// gives `key` among `partitions`: Kafka's Java client's murmur2.
-fn murmur2_partition(key: &str, partitions: u32) -> i32 {
-    const M: u32 = 0x5bd1_e995;
-    let data = key.as_bytes();
-    let mut h: u32 = 0x9747_b28c ^ data.len() as u32;
-    let mut chunks = data.chunks_exact(4);
-    for chunk in &mut chunks {
-        let mut k = u32::from_le_bytes(chunk.try_into().expect("four bytes"));
-        k = k.wrapping_mul(M);
-        k ^= k >> 24;
-        k = k.wrapping_mul(M);
-        h = h.wrapping_mul(M) ^ k;
-    }
-    let tail = chunks.remainder();
-    if !tail.is_empty() {
-        for (i, b) in tail.iter().enumerate() {
-            h ^= u32::from(*b) << (8 * i);
-        }
-        h = h.wrapping_mul(M);
-    }
-    h ^= h >> 13;
-    h = h.wrapping_mul(M);
-    h ^= h >> 15;
-    ((h & 0x7fff_ffff) % partitions) as i32
 }
 
 /// A hot key with 3,000 rows waiting, all on the one partition that is
@@ -474,17 +474,8 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
     // The hot key's partition goes offline: led by broker 1 alone, which
     // goes away (the mock elects no new leader).
     let hot = "hot";
-    let offline = murmur2_partition(hot, 4);
-    let mut others = [2, 3].into_iter().cycle();
-    for partition in 0..4 {
-        let leader = if partition == offline {
-            1
-        } else {
-            others.next().expect("cycle")
-        };
-        mock.partition_leader(topic, partition, Some(leader))
-            .expect("leader");
-    }
+    let offline = murmur2_partition(hot.as_bytes(), 4);
+    run.lead(offline);
     let mut written = workload::hot_key(db, topic, hot, 0, 20, 20).await;
     assert!(
         eventually(PATIENCE, || async { consumer.count() >= 20 }).await,
@@ -504,21 +495,15 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
     written.rolled_back.extend(ordinary.rolled_back);
 
     // While the partition is offline, everything of the others arrives.
-    let elsewhere: Written = Written {
-        committed: written
-            .committed
-            .iter()
-            .filter(|(_, tag)| murmur2_partition(&tag.key, 4) != offline)
-            .map(|(id, tag)| (*id, tag.clone()))
-            .collect(),
-        ..Written::default()
-    };
-    // While the partition is offline, the others keep flowing. Each batch
-    // of the hot key holds a pipeline slot for the whole message timeout,
-    // and every claim meets its rows first, so they flow slower than
-    // without the outage: a quarter of what was written to them must
-    // arrive before the outage ends (before rows of a batch the broker
-    // failed as a whole were set aside, 41 of about 3,300 did in 120 s).
+    let elsewhere = elsewhere(&written, offline);
+    // While the partition is offline, the others keep flowing: a quarter
+    // of what was written to them must arrive before the outage ends
+    // (before rows of a batch the broker failed as a whole were set aside,
+    // 41 of about 3,300 did in 120 s). Since the relay holds back the
+    // records of a partition it knows silent, unsent, the hot key's
+    // batches no longer hold pipeline slots;
+    // `fresh_keys_on_an_offline_partition_do_not_hold_back_the_others`
+    // asserts that everything of the other partitions arrives.
     let arrived = || {
         let seen = seen_kafka(&consumer.records());
         elsewhere.committed.len() - check(&elsewhere, &seen).lost.len()
@@ -548,7 +533,7 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
         .filter(|r| {
             r.key
                 .as_deref()
-                .is_some_and(|k| murmur2_partition(k, 4) != r.partition)
+                .is_some_and(|k| murmur2_partition(k.as_bytes(), 4) != r.partition)
         })
         .take(3)
         .map(|r| (r.key, r.partition))
@@ -557,6 +542,151 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
     outbox_tests::check::judge(
         TMP,
         "kafka mock: hot key on an offline partition",
+        &report,
+        started,
+        Some(run.bound),
+    );
+    run.finish().await;
+}
+
+/// One partition offline while every message has a key of its own (an
+/// order id, a user id): about a quarter of the keys land on it. Each batch
+/// of 100 then holds records of the offline partition, and a batch handed
+/// over whole waits for them until the message timeout, holding a pipeline
+/// slot all that while. With the default 30 s timeout and 3 slots, the
+/// healthy partitions would get 3 batches per 30 s. Once a partition has
+/// left records unanswered, the relay must stop handing it records, save
+/// one batch's worth to find out when it is back, and the other partitions
+/// must get everything written to them while it stays offline.
+#[tokio::test]
+async fn fresh_keys_on_an_offline_partition_do_not_hold_back_the_others() {
+    let started = std::time::Instant::now();
+    let run = OfflineRun::start("fresh").await;
+    let (mock, topic, consumer, db) = (&run.mock, &run.topic, &run.consumer, &run.db);
+    let offline = 0;
+    run.lead(offline);
+    // Under way before the outage (its own key: the workload below numbers
+    // its keys' messages from 0).
+    let mut written = workload::hot_key(db, topic, "before", 0, 100, 20).await;
+    assert!(
+        eventually(PATIENCE, || async { consumer.count() >= 100 }).await,
+        "nothing flows"
+    );
+    mock.broker_down(1).expect("broker 1 down");
+    let outage = std::time::Instant::now();
+    let during = workload::spawn(db, Spec::new(topic, 4, 6_000, 6_000))
+        .await
+        .expect("writers");
+    let elsewhere = elsewhere(&during, offline);
+    written.committed.extend(during.committed);
+    written.rolled_back.extend(during.rolled_back);
+    // And messages without a key, once the relay holds partition 0's
+    // records back: librdkafka places them at random, passing over a
+    // partition whose leader it cannot reach, so none may be left
+    // unanswered. Each time one is, the relay writes why onto its row:
+    // counted here.
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {s}.unanswered_without_key (seq bigint); \
+             CREATE FUNCTION {s}.note_unanswered() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN INSERT INTO {s}.unanswered_without_key VALUES (NEW.seq); RETURN NEW; END $$; \
+             CREATE TRIGGER note_unanswered AFTER UPDATE OF last_error ON {s}.messages \
+             FOR EACH ROW WHEN (NEW.ordering_key IS NULL AND NEW.last_error IS NOT NULL) \
+             EXECUTE FUNCTION {s}.note_unanswered();"
+        ))
+        .await
+        .expect("trigger");
+    let held_back =
+        format!("SELECT count(*) FROM {s}.messages WHERE last_error LIKE '%held back%'");
+    assert!(
+        eventually(PATIENCE, || async {
+            db.client
+                .query_one(&held_back, &[])
+                .await
+                .expect("count")
+                .get::<_, i64>(0)
+                > 0
+        })
+        .await,
+        "the relay never held records of partition {offline} back"
+    );
+    let unkeyed: Vec<outbox_client::Message> = (0..500)
+        .map(|i| {
+            outbox_client::Message::builder(topic.as_str())
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    let unkeyed: std::collections::HashSet<String> = db
+        .outbox()
+        .enqueue_batch(&db.client, &unkeyed)
+        .await
+        .expect("enqueue")
+        .iter()
+        .map(|id| id.to_string())
+        .collect();
+    let keyed = || {
+        let records = consumer.records();
+        let keyed: Vec<_> = records.into_iter().filter(|r| r.key.is_some()).collect();
+        seen_kafka(&keyed)
+    };
+    let arrived = || {
+        let keyed = elsewhere.committed.len() - check(&elsewhere, &keyed()).lost.len();
+        let records = consumer.records();
+        let ids: std::collections::HashSet<&String> = records
+            .iter()
+            .filter_map(|r| r.headers.get("message-id"))
+            .filter(|id| unkeyed.contains(*id))
+            .collect();
+        (keyed, ids.len())
+    };
+    // Ten message timeouts: the first batches wait out one, and the
+    // partition is tried again after each.
+    let window = Duration::from_millis(15_000);
+    let all = eventually(window, || async {
+        arrived() == (elsewhere.committed.len(), unkeyed.len())
+    })
+    .await;
+    let (got, got_unkeyed) = arrived();
+    println!(
+        "{got} of {} keyed messages of the other partitions and {got_unkeyed} of {} without a \
+         key arrived in {:?} while partition {offline} was offline",
+        elsewhere.committed.len(),
+        unkeyed.len(),
+        outage.elapsed()
+    );
+    mock.broker_up(1).expect("broker 1 up");
+    let unanswered_without_key: i64 = db
+        .client
+        .query_one(
+            &format!("SELECT count(*) FROM {s}.unanswered_without_key"),
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(
+        unanswered_without_key, 0,
+        "messages without a key were sent to partition {offline}, which the relay knew silent"
+    );
+    assert!(
+        all,
+        "the other partitions waited behind partition {offline}: {got} of {} keyed and \
+         {got_unkeyed} of {} messages without a key arrived in {window:?}",
+        elsewhere.committed.len(),
+        unkeyed.len()
+    );
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "not drained"
+    );
+    eventually(PATIENCE, || async { all_seen(&written, &keyed()) }).await;
+    let report = check(&written, &keyed());
+    outbox_tests::check::judge(
+        TMP,
+        "kafka mock: fresh keys, one partition offline",
         &report,
         started,
         Some(run.bound),

@@ -21,6 +21,8 @@ pub(super) struct SettlePlan<'a> {
     /// Rows the broker left unanswered while it confirmed others, and why:
     /// set aside for a short while, no attempt counted.
     pub(super) unanswered: Vec<(i64, String)>,
+    /// The longest any of them asked to be set aside (`Rejection::wait`).
+    pub(super) unanswered_wait: Duration,
 }
 
 /// Which wave each message of `batch` goes out in. A key's messages stay in one
@@ -122,6 +124,8 @@ pub(super) fn settle_plan<'a>(
             Err(rejection) => {
                 if rejection.unanswered {
                     plan.unanswered.push((env.seq, rejection.reason.clone()));
+                    plan.unanswered_wait =
+                        plan.unanswered_wait.max(rejection.wait.unwrap_or_default());
                 } else if rejection.permanent || env.attempts + 1 >= settings.max_attempts {
                     plan.dead.push((env.seq, rejection.reason.clone()));
                 } else {

@@ -558,10 +558,15 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // them, with the failure as
         // their last error. No attempt is counted: it is an outage of part
         // of the broker, not a refusal, and the rest of the outbox flows.
+        // Rows the publisher held back unsent (a Kafka partition known to be
+        // silent) wait at least until it means to try them again.
         if let Some((_, reason)) = plan.unanswered.first() {
             let seqs: Vec<i64> = plan.unanswered.iter().map(|u| u.0).collect();
-            tx.note_batch_error(&seqs, reason, Some(self.outage_hold(claimed_at)))
-                .await?;
+            let hold = self.outage_hold(claimed_at).max(
+                plan.unanswered_wait
+                    .min(self.settings.retry_max.max(self.settings.retry_base)),
+            );
+            tx.note_batch_error(&seqs, reason, Some(hold)).await?;
         }
         tx.settle_and_commit(Settle {
             published: &plan.published,

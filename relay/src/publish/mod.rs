@@ -28,6 +28,10 @@ pub struct Rejection {
     /// while others of its batch were confirmed. Like a batch lost to an
     /// outage, it is sent again without counting an attempt.
     pub unanswered: bool,
+    /// For an unanswered message, how long at least its row is set aside
+    /// before it is claimed again (the publisher knows it will hold it back
+    /// until then).
+    pub wait: Option<std::time::Duration>,
 }
 
 impl Rejection {
@@ -37,6 +41,7 @@ impl Rejection {
             reason: reason.into(),
             permanent: false,
             unanswered: false,
+            wait: None,
         }
     }
 
@@ -46,6 +51,7 @@ impl Rejection {
             reason: reason.into(),
             permanent: true,
             unanswered: false,
+            wait: None,
         }
     }
 
@@ -56,7 +62,14 @@ impl Rejection {
             reason: reason.into(),
             permanent: false,
             unanswered: true,
+            wait: None,
         }
+    }
+
+    /// This rejection, its row set aside for `wait` at least.
+    pub fn for_at_least(mut self, wait: std::time::Duration) -> Self {
+        self.wait = Some(wait);
+        self
     }
 }
 

@@ -31,10 +31,13 @@ mod producer;
 mod record;
 mod settings;
 mod setup;
+mod silent;
 
 use producer::KafkaProducer;
 use record::{headers, rejection};
 pub use settings::{is_secret, KafkaSettings};
+pub use silent::murmur2_partition;
+use silent::{Held, Silent};
 
 /// Publishes to Kafka; rebuilds the producer if librdkafka reports it fatally
 /// failed (an idempotence violation it cannot repair).
@@ -45,6 +48,11 @@ pub struct KafkaPublisher {
     cloudevents: Option<CloudEvents>,
     /// The batch size a slow link can deliver within the message timeout.
     pace: Pace,
+    /// Partitions that left records unanswered while others answered.
+    silent: Silent,
+    /// Whether the partitioner is one whose placement of a keyed record the
+    /// relay can tell (see `silent`).
+    predictable: bool,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -58,12 +66,16 @@ impl std::fmt::Debug for KafkaPublisher {
 impl KafkaPublisher {
     /// Creates the producer; fails on an invalid property.
     pub fn new(settings: KafkaSettings) -> Result<Self, KafkaError> {
-        let producer = KafkaProducer::new(&settings.client_config())?;
+        let config = settings.client_config();
+        let producer = KafkaProducer::new(&config)?;
+        let predictable = config.get("partitioner") == Some(silent::PREDICTABLE);
         Ok(KafkaPublisher {
+            silent: Silent::new(settings.message_timeout),
             settings,
             producer: RwLock::new(Arc::new(producer)),
             cloudevents: None,
             pace: Pace::default(),
+            predictable,
         })
     }
 
@@ -120,12 +132,14 @@ impl KafkaPublisher {
     /// Hands every record of the batch to `producer`, then waits for
     /// their delivery reports.
     /// `absent` holds the batch's topics that the broker said do not exist:
-    /// their records are refused here.
+    /// their records are refused here. `held` holds, per topic with its
+    /// partition count, the silent partitions whose records are not sent.
     async fn send(
         &self,
         producer: &Arc<KafkaProducer>,
         batch: &[Envelope],
         absent: &[&str],
+        held: &[(&str, i32, Held)],
     ) -> Result<Vec<Verdict>, PublishError> {
         let started = Instant::now();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
@@ -150,6 +164,21 @@ impl KafkaPublisher {
                     "kafka: topic {:?} does not exist (UnknownTopicOrPartition)",
                     env.destination
                 ))));
+                continue;
+            }
+            let silent = held
+                .iter()
+                .find(|h| h.0 == env.destination)
+                .zip(key)
+                .and_then(|((_, partitions, held), k)| held.holds(k.as_bytes(), *partitions));
+            if let Some((p, wait, since)) = silent {
+                outcomes[i] = Some(Err(Rejection::unanswered(format!(
+                    "kafka: partition {p} of {:?} has left records unanswered for {:?}; \
+                     held back unsent until it is tried again",
+                    env.destination,
+                    since.elapsed()
+                ))
+                .for_at_least(wait)));
                 continue;
             }
             let (report, delivery) = oneshot::channel();
@@ -179,19 +208,27 @@ impl KafkaPublisher {
             }
         }
         let mut batch_error = None;
-        // Records that failed with an error not of their own, by index.
+        // Records that failed with an error not of their own, by index, with
+        // the partition each was for.
         let mut unanswered = Vec::new();
+        // Partitions that confirmed a record, while some are silent.
+        let mut answering: Vec<(&str, i32)> = Vec::new();
+        let silence = self.silent.any();
         let mut without_offset = 0usize;
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
         let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
         for (i, report, at) in join_all(pending).await {
             match &report {
-                Ok(Ok((_, offset))) if *offset >= 0 => {
+                Ok(Ok((partition, offset))) if *offset >= 0 => {
                     delivered += batch[i].payload.len();
                     last_delivery = last_delivery.max(at);
+                    let answer = (batch[i].destination.as_str(), *partition);
+                    if silence && !answering.contains(&answer) {
+                        answering.push(answer);
+                    }
                 }
-                Ok(Err(e)) => {
+                Ok(Err((e, _))) => {
                     timed_out |= e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut);
                 }
                 _ => {}
@@ -209,17 +246,17 @@ impl KafkaPublisher {
                     continue;
                 }
                 Ok(Ok((partition, offset))) => Ok(Receipt::Kafka { partition, offset }),
-                Ok(Err(e)) => match rejection(&e) {
+                Ok(Err((e, partition))) => match rejection(&e) {
                     Some(r) => Err(r),
                     None => {
                         batch_error.get_or_insert(e);
-                        unanswered.push(i);
+                        unanswered.push((i, partition));
                         continue;
                     }
                 },
                 Err(_canceled) => {
                     batch_error.get_or_insert(KafkaError::Canceled);
-                    unanswered.push(i);
+                    unanswered.push((i, -1));
                     continue;
                 }
             });
@@ -248,9 +285,17 @@ impl KafkaPublisher {
                 return Err(PublishError::new("kafka: delivery failed", e));
             }
             let reason = format!("kafka: delivery failed: {e}");
-            for i in unanswered {
+            for (i, partition) in unanswered {
+                // Its partition is silent while others answer: the next
+                // batches hold its records back (see `silent`).
+                if self.predictable && partition >= 0 {
+                    self.silent.unanswered(&batch[i].destination, partition);
+                }
                 outcomes[i] = Some(Err(Rejection::unanswered(reason.clone())));
             }
+        }
+        for (topic, partition) in answering {
+            self.silent.answered(topic, partition);
         }
         if without_offset > 0 {
             // The whole batch goes again, as for any uncertain failure: the
@@ -324,7 +369,18 @@ impl Publisher for KafkaPublisher {
             });
         }
         let absent = producer.setup.absent(&topics);
-        self.send(&producer, batch, &absent).await
+        let mut held = Vec::new();
+        if self.predictable && self.silent.any() {
+            for topic in &topics {
+                let Some(partitions) = producer.setup.partitions(topic) else {
+                    continue;
+                };
+                if let Some(h) = self.silent.hold(topic, partitions) {
+                    held.push((*topic, partitions, h));
+                }
+            }
+        }
+        self.send(&producer, batch, &absent, &held).await
     }
 
     /// One topic is one lane: the idempotent producer fails every later record

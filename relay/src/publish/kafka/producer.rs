@@ -13,8 +13,9 @@ use rdkafka::producer::{BaseProducer, DeliveryResult, ProducerContext};
 
 use super::setup::SetUp;
 
-/// A record's delivery report: its partition and offset, or why it failed.
-pub(super) type Report = Result<(i32, i64), KafkaError>;
+/// A record's delivery report: its partition and offset, or why it failed
+/// and the partition it was for (-1 if it had none yet).
+pub(super) type Report = Result<(i32, i64), (KafkaError, i32)>;
 
 /// Hands each delivery report to the future waiting for it, and each of
 /// librdkafka's statistics to the producer's set-up.
@@ -34,7 +35,7 @@ impl ProducerContext for Deliveries {
     fn delivery(&self, result: &DeliveryResult<'_>, waiting: Self::DeliveryOpaque) {
         let report = match result {
             Ok(m) => Ok((m.partition(), m.offset())),
-            Err((e, _)) => Err(e.clone()),
+            Err((e, m)) => Err((e.clone(), m.partition())),
         };
         // The batch may have given up waiting; nothing else to tell.
         let _ = waiting.send(report);

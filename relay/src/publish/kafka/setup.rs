@@ -15,7 +15,7 @@
 //! batch that cannot wait longer gives its rows back unsent, and the next
 //! batch finds the set-up further along.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,8 +48,9 @@ struct State {
     /// was created, or since librdkafka's statistics last showed it
     /// drained for a new epoch. `None` while it has one.
     without_id_since: Option<Instant>,
-    /// Topics whose metadata the broker has answered for.
-    known: HashSet<String>,
+    /// Topics whose metadata the broker has answered for, with their
+    /// partition counts.
+    known: HashMap<String, i32>,
     /// Topics the broker last said do not exist. Asked again with every
     /// batch that holds one, so a topic created since is found.
     absent: HashSet<String>,
@@ -64,7 +65,7 @@ impl SetUp {
         Arc::new(SetUp {
             state: Mutex::new(State {
                 without_id_since: statistics.then(Instant::now),
-                known: HashSet::new(),
+                known: HashMap::new(),
                 absent: HashSet::new(),
                 asking: Vec::new(),
             }),
@@ -144,7 +145,7 @@ impl SetUp {
             since,
         });
         for topic in topics {
-            if s.known.contains(topic) {
+            if s.known.contains_key(topic) {
                 continue;
             }
             if s.absent.contains(topic) {
@@ -194,6 +195,12 @@ impl SetUp {
             .collect()
     }
 
+    /// How many partitions the broker said `topic` has, if it has answered
+    /// (0 when its answer listed none).
+    pub(super) fn partitions(&self, topic: &str) -> Option<i32> {
+        self.state().known.get(topic).copied()
+    }
+
     /// Asks the broker for `topic`'s metadata, which librdkafka keeps for
     /// the records that follow. Any answer will do, one for a topic that
     /// does not exist too (see [`SetUp::absent`]).
@@ -210,16 +217,17 @@ impl SetUp {
             s.asking.retain(|(t, _)| *t != topic);
             match answered {
                 Ok(metadata) => {
-                    let unknown = metadata.topics().iter().any(|t| {
-                        t.name() == topic
-                            && t.error()
-                                == Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
+                    let answer = metadata.topics().iter().find(|t| t.name() == topic);
+                    let unknown = answer.is_some_and(|t| {
+                        t.error() == Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
                     });
                     if unknown {
                         s.absent.insert(topic);
                     } else {
+                        let partitions = answer.map_or(0, |t| t.partitions().len());
                         s.absent.remove(&topic);
-                        s.known.insert(topic);
+                        s.known
+                            .insert(topic, i32::try_from(partitions).unwrap_or(i32::MAX));
                     }
                 }
                 Err(e) => {
