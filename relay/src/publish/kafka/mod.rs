@@ -148,6 +148,8 @@ impl KafkaPublisher {
         // their later records are not queued, so nothing overtakes the
         // refused one.
         let mut refused: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        // Records without a key placed on partitions that are not silent.
+        let mut unkeyed = 0usize;
         for (i, env) in batch.iter().enumerate() {
             let key = env.ordering_key.as_deref();
             if key.is_some_and(|k| refused.contains(k)) {
@@ -166,11 +168,17 @@ impl KafkaPublisher {
                 ))));
                 continue;
             }
-            let silent = held
-                .iter()
-                .find(|h| h.0 == env.destination)
-                .zip(key)
-                .and_then(|((_, partitions, held), k)| held.holds(k.as_bytes(), *partitions));
+            let mut partition = None;
+            let mut silent = None;
+            if let Some((_, partitions, held)) = held.iter().find(|h| h.0 == env.destination) {
+                match key {
+                    Some(k) => silent = held.holds(k.as_bytes(), *partitions),
+                    None => {
+                        partition = held.open_partition(unkeyed);
+                        unkeyed += 1;
+                    }
+                }
+            }
             if let Some((p, wait, since)) = silent {
                 outcomes[i] = Some(Err(Rejection::unanswered(format!(
                     "kafka: partition {p} of {:?} has left records unanswered for {:?}; \
@@ -188,6 +196,9 @@ impl KafkaPublisher {
                     .headers(headers(env, self.cloudevents.as_ref()));
             if let Some(key) = &env.ordering_key {
                 record = record.key(key.as_bytes());
+            }
+            if let Some(p) = partition {
+                record = record.partition(p);
             }
             match producer.inner.send(record) {
                 Ok(()) => pending.push(async move { (i, delivery.await, Instant::now()) }),
