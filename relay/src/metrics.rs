@@ -49,6 +49,10 @@ pub const DATABASE_GAUGES: &str = "outbox_database_gauges_exporter";
 
 /// Published rows deleted by the retention cleanup (retention mode only).
 pub const RETENTION_DELETED: &str = "outbox_retention_deleted_total";
+/// Kafka partitions whose records this replica holds back unsent: they left
+/// records unanswered while the rest of their topic answered (always 0 on
+/// RabbitMQ).
+pub const KAFKA_SILENT_PARTITIONS: &str = "outbox_kafka_silent_partitions";
 
 /// Every metric the relay exports. The database-wide ones
 /// ([`DATABASE_WIDE`]) appear on one replica at a time.
@@ -71,6 +75,7 @@ pub const ALL: &[&str] = &[
     BUILD_INFO,
     DATABASE_GAUGES,
     RETENTION_DELETED,
+    KAFKA_SILENT_PARTITIONS,
 ];
 
 /// Gauges that describe the whole outbox rather than one replica: only the
@@ -98,6 +103,7 @@ const HELP: &[(&str, &str)] = &[
     (BUILD_INFO, "Always 1; the version and broker labels name the running build."),
     (DATABASE_GAUGES, "1 on the replica that exports the database-wide gauges, 0 on the others."),
     (RETENTION_DELETED, "Published rows deleted by the retention cleanup."),
+    (KAFKA_SILENT_PARTITIONS, "Kafka partitions whose records this replica holds back unsent, because they left records unanswered while the rest of their topic answered; one batch per message timeout tries each again (0 on RabbitMQ)."),
 ];
 
 /// Most distinct `destination` label values one process exports; later
@@ -168,6 +174,7 @@ pub fn install(broker: &'static str) -> Result<PrometheusHandle, String> {
         .set(1.0);
     metrics::counter!(BATCH_FAILURES).increment(0);
     metrics::gauge!(DATABASE_GAUGES).set(0.0);
+    metrics::gauge!(KAFKA_SILENT_PARTITIONS).set(0.0);
     Ok(handle)
 }
 

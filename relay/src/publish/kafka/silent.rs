@@ -171,7 +171,14 @@ impl Silent {
             }
         });
         quiet.retry_at = now + self.retry_every;
-        self.count.store(map.len(), Ordering::Relaxed);
+        self.counted(map.len());
+    }
+
+    /// Keeps the count, and its gauge, at `n`.
+    fn counted(&self, n: usize) {
+        if self.count.swap(n, Ordering::Relaxed) != n {
+            metrics::gauge!(crate::metrics::KAFKA_SILENT_PARTITIONS).set(n as f64);
+        }
     }
 
     /// `partition` of `topic` confirmed a record.
@@ -188,7 +195,7 @@ impl Silent {
                 "kafka partition answers again"
             );
         }
-        self.count.store(map.len(), Ordering::Relaxed);
+        self.counted(map.len());
     }
 }
 
