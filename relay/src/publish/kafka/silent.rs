@@ -269,4 +269,28 @@ mod tests {
         assert!(silent.hold("t", 4).is_none());
         assert_eq!(silent.count.load(Ordering::Relaxed), 0);
     }
+
+    #[test]
+    fn the_gauge_counts_the_silent_partitions() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let gauge = |handle: &metrics_exporter_prometheus::PrometheusHandle| {
+            handle
+                .render()
+                .lines()
+                .find_map(|l| l.strip_prefix("outbox_kafka_silent_partitions "))
+                .map(str::to_owned)
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let silent = Silent::new(Duration::from_secs(30));
+            silent.unanswered("t", 2);
+            silent.unanswered("t", 2);
+            silent.unanswered("u", 0);
+            assert_eq!(gauge(&handle).as_deref(), Some("2"));
+            silent.answered("t", 2);
+            assert_eq!(gauge(&handle).as_deref(), Some("1"));
+            silent.answered("u", 0);
+            assert_eq!(gauge(&handle).as_deref(), Some("0"));
+        });
+    }
 }
