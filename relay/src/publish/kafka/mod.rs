@@ -131,6 +131,7 @@ impl KafkaPublisher {
 
     /// Hands every record of the batch to `producer`, then waits for
     /// their delivery reports.
+    ///
     /// `absent` holds the batch's topics that the broker said do not exist:
     /// their records are refused here. `held` holds, per topic with its
     /// partition count, the silent partitions whose records are not sent.
@@ -222,9 +223,9 @@ impl KafkaPublisher {
         // Records that failed with an error not of their own, by index, with
         // the partition each was for.
         let mut unanswered = Vec::new();
-        // Partitions that confirmed a record, while some are silent.
+        // Partitions that confirmed a record while some are silent (also
+        // one that fell silent while this batch waited).
         let mut answering: Vec<(&str, i32)> = Vec::new();
-        let silence = self.silent.any();
         let mut without_offset = 0usize;
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
@@ -235,7 +236,7 @@ impl KafkaPublisher {
                     delivered += batch[i].payload.len();
                     last_delivery = last_delivery.max(at);
                     let answer = (batch[i].destination.as_str(), *partition);
-                    if silence && !answering.contains(&answer) {
+                    if self.silent.any() && !answering.contains(&answer) {
                         answering.push(answer);
                     }
                 }
