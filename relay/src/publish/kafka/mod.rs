@@ -387,7 +387,18 @@ impl Publisher for KafkaPublisher {
                 let Some(partitions) = producer.setup.partitions(topic) else {
                     continue;
                 };
-                if let Some(h) = self.silent.hold(topic, partitions) {
+                // The partitions its keyed records go to: a silent one due
+                // to be tried again is tried only by a batch that has some.
+                let mut wanted = Vec::new();
+                for env in batch.iter().filter(|e| e.destination == *topic) {
+                    if let Some(key) = &env.ordering_key {
+                        let p = murmur2_partition(key.as_bytes(), partitions);
+                        if !wanted.contains(&p) {
+                            wanted.push(p);
+                        }
+                    }
+                }
+                if let Some(h) = self.silent.hold(topic, partitions, &wanted) {
                     held.push((*topic, partitions, h));
                 }
             }

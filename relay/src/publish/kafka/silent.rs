@@ -125,9 +125,10 @@ impl Silent {
 
     /// What a batch about to send records of `topic` (of `partitions`
     /// partitions) holds back: `None` when none of them is silent. A silent
-    /// partition due to be tried again is tried by this batch, and by no
-    /// other until `retry_every` has passed.
-    pub(super) fn hold(&self, topic: &str, partitions: i32) -> Option<Held> {
+    /// partition due to be tried again is tried by this batch if it has
+    /// records for it (`wanted`), and then by no other until `retry_every`
+    /// has passed; a batch without any leaves it due for the next.
+    pub(super) fn hold(&self, topic: &str, partitions: i32, wanted: &[i32]) -> Option<Held> {
         if self.count.load(Ordering::Relaxed) == 0 {
             return None;
         }
@@ -140,7 +141,9 @@ impl Silent {
             }
             silent.push(*p);
             if quiet.retry_at <= now {
-                quiet.retry_at = now + self.retry_every;
+                if wanted.contains(p) {
+                    quiet.retry_at = now + self.retry_every;
+                }
             } else {
                 held.push((*p, quiet.retry_at - now, quiet.since));
             }
@@ -236,7 +239,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_silent_partition_is_held_and_tried_again_by_one_batch_at_a_time() {
         let silent = Silent::new(Duration::from_secs(30));
-        assert!(silent.hold("t", 4).is_none());
+        let all = [0, 1, 2, 3];
+        assert!(silent.hold("t", 4, &all).is_none());
         silent.unanswered("t", 2);
         let of = |partition: i32| {
             (0..)
@@ -245,7 +249,7 @@ mod tests {
                 .expect("a key")
         };
         let (key, other) = (of(2), of(0));
-        let held = silent.hold("t", 4).expect("partition 2 held");
+        let held = silent.hold("t", 4, &all).expect("partition 2 held");
         let (p, wait, _) = held.holds(key.as_bytes(), 4).expect("held");
         assert_eq!((p, wait), (2, Duration::from_secs(30)));
         assert!(held.holds(other.as_bytes(), 4).is_none());
@@ -253,20 +257,23 @@ mod tests {
         assert_eq!(held.open_partition(0), Some(0));
         assert_eq!(held.open_partition(4), Some(1));
         // Other topics are not affected.
-        assert!(silent.hold("u", 4).is_none());
+        assert!(silent.hold("u", 4, &all).is_none());
         // After the wait, one batch tries it; the next ones hold it again.
+        // A batch with no record of it leaves the try to the next.
         tokio::time::advance(Duration::from_secs(30)).await;
-        let trying = silent.hold("t", 4).expect("still silent");
+        let elsewhere = silent.hold("t", 4, &[0, 1]).expect("still silent");
+        assert!(elsewhere.holds(key.as_bytes(), 4).is_none());
+        let trying = silent.hold("t", 4, &[2]).expect("still silent");
         assert!(
             trying.holds(key.as_bytes(), 4).is_none(),
             "this batch tries it"
         );
         assert_eq!(trying.open, vec![0, 1, 3], "with its keys' records only");
-        let next = silent.hold("t", 4).expect("still silent");
+        let next = silent.hold("t", 4, &all).expect("still silent");
         assert!(next.holds(key.as_bytes(), 4).is_some(), "the next holds it");
         // A record it confirms ends the silence.
         silent.answered("t", 2);
-        assert!(silent.hold("t", 4).is_none());
+        assert!(silent.hold("t", 4, &all).is_none());
         assert_eq!(silent.count.load(Ordering::Relaxed), 0);
     }
 
