@@ -487,17 +487,9 @@ async fn probe_broker<P: Publisher>(
     shutdown: CancellationToken,
 ) {
     loop {
-        let answer = tokio::time::timeout(worker::BROKER_QUESTION, publisher.ready()).await;
-        match answer {
-            Ok(Ok(())) => stats.note_broker_probe(None, quiet),
-            Ok(Err(e)) => stats.note_broker_probe(Some(&e), quiet),
-            Err(_) => stats.note_broker_probe(
-                Some(&crate::publish::PublishError::msg(format!(
-                    "broker did not answer a probe within {:?}",
-                    worker::BROKER_QUESTION
-                ))),
-                quiet,
-            ),
+        match worker::ask_broker(publisher.as_ref()).await {
+            Ok(()) => stats.note_broker_probe(None, quiet),
+            Err(e) => stats.note_broker_probe(Some(&e), quiet),
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

@@ -23,7 +23,22 @@ use crate::source::store::{BatchTx, OpenError, Session, Settle, Store, StoreErro
 use crate::supervise::{sleep_or_cancel, supervise};
 
 /// How long a question to the broker (`Publisher::ready`) is waited for.
-pub(super) const BROKER_QUESTION: Duration = Duration::from_secs(5);
+const BROKER_QUESTION: Duration = Duration::from_secs(5);
+
+/// The broker's answer to [`Publisher::ready`], given up after
+/// [`BROKER_QUESTION`] (a connection that stays silent). Asked by a worker
+/// before it claims again after a failed batch, and by the relay's probe.
+pub(super) async fn ask_broker<P: Publisher>(
+    publisher: &P,
+) -> Result<(), crate::publish::PublishError> {
+    tokio::time::timeout(BROKER_QUESTION, publisher.ready())
+        .await
+        .unwrap_or_else(|_| {
+            Err(crate::publish::PublishError::msg(format!(
+                "broker did not answer within {BROKER_QUESTION:?}"
+            )))
+        })
+}
 
 pub(super) struct Worker<P: Publisher, S: Store> {
     pub(super) id: usize,
@@ -222,22 +237,14 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         Ok(())
     }
 
-    /// The broker's answer to [`Publisher::ready`], given up after
-    /// [`BROKER_QUESTION`] (a connection that stays silent); `None` on
-    /// shutdown.
+    /// [`ask_broker`], or `None` on shutdown.
     async fn ask_broker(
         &self,
         shutdown: &CancellationToken,
     ) -> Option<Result<(), crate::publish::PublishError>> {
         tokio::select! {
             _ = shutdown.cancelled() => None,
-            answer = tokio::time::timeout(BROKER_QUESTION, self.publisher.ready()) => {
-                Some(answer.unwrap_or_else(|_| {
-                    Err(crate::publish::PublishError::msg(format!(
-                        "broker did not answer within {BROKER_QUESTION:?}"
-                    )))
-                }))
-            }
+            answer = ask_broker(self.publisher.as_ref()) => Some(answer),
         }
     }
 
