@@ -11,18 +11,21 @@
 //!   starting one target later than the last; each figure is
 //!   the median of the rounds, as a ratio to the plain table.
 //!
-//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin] [--fetch-wait-ms N]`
+//! `... -- latency [--rate N]... [--seconds S] [--keys K] [--writers W] [--per-tx N] [--notify on|off] [--broker amqp|kafka] [--pin] [--fetch-wait-ms N]`
 //! (`--pin` holds a REPEATABLE READ snapshot open for the whole run, as a
 //! long report or pg_dump would; `--fetch-wait-ms` is the Kafka consumer's
 //! `fetch.wait.max.ms`, 1 unless given)
 //!   runs the release relay (`cargo build --release -p outbox-relay`) with
 //!   default settings, writes at each fixed rate (default 1,000 and 5,000
-//!   msg/s, one 1 KiB message per transaction from 16 connections), and
-//!   reports commit-to-consumer p50, p99 and max, the relay's CPU seconds per
-//!   10,000 messages, its CPU while idle, and its peak RSS. Under each rate,
-//!   the means of the relay's own stage histograms (claim, durable wait,
-//!   publish, a row's insert to its confirm) beside the mean commit to consumer
-//!   say which side of the broker's confirm the time goes.
+//!   msg/s, one 1 KiB message per transaction from 16 connections, or
+//!   `--per-tx` per transaction from `--writers`), and reports
+//!   commit-to-consumer p50, p99 and max, the relay's CPU seconds per 10,000
+//!   messages, its CPU while idle, its peak RSS, and each program's CPU per
+//!   message (with what the relay's own sessions cost Postgres) and the
+//!   machine's idle share.
+//!   Under each rate, the means of the relay's own stage histograms (claim,
+//!   durable wait, publish, a row's insert to its confirm) beside the mean
+//!   commit to consumer say which side of the broker's confirm the time goes.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -94,17 +97,21 @@ async fn main() -> anyhow::Result<()> {
             let pin = std::env::args().any(|a| a == "--pin");
             latency(
                 &rates,
-                arg("--seconds", 20),
-                arg("--keys", 10_000),
-                notify,
-                &broker,
-                pin,
-                arg("--fetch-wait-ms", 1),
+                &Latency {
+                    seconds: arg("--seconds", 20),
+                    keys: arg("--keys", 10_000),
+                    writers: arg("--writers", 16),
+                    per_tx: arg("--per-tx", 1usize).max(1),
+                    notify,
+                    broker,
+                    pin,
+                    fetch_wait_ms: arg("--fetch-wait-ms", 1),
+                },
             )
             .await
         }
         _ => {
-            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] [--clients N]... | latency [--rate N]... [--seconds S] [--keys K] [--notify on|off] [--broker amqp|kafka] [--pin] [--fetch-wait-ms N]");
+            eprintln!("usage: bench-wake writers [--seconds S] [--rounds R] [--clients N]... | latency [--rate N]... [--seconds S] [--keys K] [--writers W] [--per-tx N] [--notify on|off] [--broker amqp|kafka] [--pin] [--fetch-wait-ms N]");
             std::process::exit(2);
         }
     }
@@ -391,6 +398,39 @@ fn latencies(
     ms
 }
 
+/// The relay's Postgres backends (every session names itself
+/// `outbox-relay...`), with the CPU ticks each has used so far.
+async fn relay_sessions(
+    client: &tokio_postgres::Client,
+) -> anyhow::Result<std::collections::HashMap<u32, u64>> {
+    let rows = client
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'outbox-relay%'",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            let pid = r.get::<_, i32>(0) as u32;
+            outbox_tests::process::stat_of(pid).map(|(_, ticks)| (pid, ticks))
+        })
+        .collect())
+}
+
+/// The CPU the sessions of `to` used since `from`: all of it for a session
+/// that opened in between. A session that closed in between is not counted.
+fn sessions_cpu_since(
+    from: &std::collections::HashMap<u32, u64>,
+    to: &std::collections::HashMap<u32, u64>,
+) -> Duration {
+    let ticks: u64 = to
+        .iter()
+        .map(|(pid, t)| t.saturating_sub(from.get(pid).copied().unwrap_or(0)))
+        .sum();
+    Duration::from_millis(ticks * 10)
+}
+
 /// The value at fraction `p` of sorted `sorted`.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -400,15 +440,32 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-async fn latency(
-    rates: &[u64],
+/// How `latency` runs, apart from its rates.
+struct Latency {
     seconds: u64,
     keys: usize,
+    /// Writer connections, each committing its share of the rate in turn.
+    writers: usize,
+    /// Messages each writer's transaction commits.
+    per_tx: usize,
     notify: bool,
-    broker: &str,
+    broker: String,
     pin: bool,
     fetch_wait_ms: u64,
-) -> anyhow::Result<()> {
+}
+
+async fn latency(rates: &[u64], run: &Latency) -> anyhow::Result<()> {
+    let Latency {
+        seconds,
+        keys,
+        writers,
+        per_tx,
+        notify,
+        ref broker,
+        pin,
+        fetch_wait_ms,
+    } = *run;
+    let broker = broker.as_str();
     let bin = release_relay_binary()?;
     let db = TestDb::new().await;
     outbox_client::set_notify(&db.client, db.schema.as_str(), notify).await?;
@@ -494,7 +551,7 @@ async fn latency(
     tokio::time::sleep(idle_for).await;
     let idle_cpu = cpu_time_of(pid).unwrap_or_default() - idle_from;
     println!(
-        "broker={broker} relay {} with its defaults, NOTIFY {}, 1 KiB messages over {keys} keys, 16 writer connections, {seconds}s per rate{}",
+        "broker={broker} relay {} with its defaults, NOTIFY {}, 1 KiB messages over {keys} keys, {writers} writer connections, {per_tx} per transaction, {seconds}s per rate{}",
         bin.display(),
         if notify { "on" } else { "off" },
         if broker == "kafka" {
@@ -525,7 +582,20 @@ async fn latency(
             None => receipts.lock().expect("lock").len(),
         };
         let received_before = received();
-        let writers = 16usize;
+        // Every program's CPU over the phase, and the machine's idle share:
+        // a rate the writers cannot keep on a machine left without idle
+        // time is the machine's limit, not the relay's.
+        let relay_sessions_from = relay_sessions(&db.client).await?;
+        let watch = outbox_tests::cpu::CpuWatch::start(&[
+            "postgres",
+            if broker == "kafka" {
+                "tansu"
+            } else {
+                "beam.smp"
+            },
+            "outbox-relay",
+            "self",
+        ]);
         let started = Instant::now();
         let mut tasks = Vec::new();
         for w in 0..writers {
@@ -536,24 +606,39 @@ async fn latency(
             let base = next_seq;
             tasks.push(tokio::spawn(async move {
                 let mut client = outbox_tests::db::connect(&config).await;
-                // Writer w sends sequence numbers w, w + writers, ...; the
-                // i-th of all is due at started + i / rate.
-                let mut i = w;
-                while i < total {
-                    let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+                // Transactions carry `per_tx` consecutive sequence numbers
+                // each; writer w commits transactions w, w + writers, ...,
+                // and the i-th message of all is due at started + i / rate.
+                let mut t = w;
+                while t * per_tx < total {
+                    let first = t * per_tx;
+                    let due = started + Duration::from_secs_f64(first as f64 / rate as f64);
                     tokio::time::sleep_until(due.into()).await;
-                    let seq = base + i;
-                    let mut payload = format!("{seq:>12}").into_bytes();
-                    payload.resize(PAYLOAD, b'x');
-                    let m = Message::builder(destination.as_str())
-                        .key(format!("k{}", seq % keys))
-                        .payload(payload)
-                        .build()?;
+                    let seqs = base + first..base + (first + per_tx).min(total);
+                    let messages = seqs
+                        .clone()
+                        .map(|seq| {
+                            let mut payload = format!("{seq:>12}").into_bytes();
+                            payload.resize(PAYLOAD, b'x');
+                            Message::builder(destination.as_str())
+                                .key(format!("k{}", seq % keys))
+                                .payload(payload)
+                                .build()
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
                     let tx = client.transaction().await?;
-                    outbox.enqueue(&tx, &m).await?;
+                    if let [one] = messages.as_slice() {
+                        outbox.enqueue(&tx, one).await?;
+                    } else {
+                        outbox.enqueue_batch(&tx, &messages).await?;
+                    }
                     tx.commit().await?;
-                    commits.lock().expect("lock")[seq] = Some(Instant::now());
-                    i += writers;
+                    let at = Instant::now();
+                    let mut commits = commits.lock().expect("lock");
+                    for seq in seqs {
+                        commits[seq] = Some(at);
+                    }
+                    t += writers;
                 }
                 anyhow::Ok(())
             }));
@@ -567,6 +652,9 @@ async fn latency(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let cpu = cpu_time_of(pid).unwrap_or_default() - cpu_from;
+        let split = watch.stop().await;
+        let relay_sessions_cpu =
+            sessions_cpu_since(&relay_sessions_from, &relay_sessions(&db.client).await?);
         let stages_to = stages().await;
         let batches = stages_to[PUBLISH_STAGE].1 - stages_from[PUBLISH_STAGE].1;
         let l = latencies(&rabbit, &receipts, &commits, next_seq);
@@ -603,6 +691,14 @@ async fn latency(
             "{:>8} means: {}; commit to consumer {mean:.2} ms",
             "",
             means.join(", ")
+        );
+        // `self` is the writers and the consumer; Postgres's share spent
+        // in the relay's own sessions is what the relay costs the database.
+        println!(
+            "{:>8} {}; of postgres, the relay's sessions {:.1}",
+            "",
+            split.per_message(total),
+            relay_sessions_cpu.as_secs_f64() * 1e6 / total as f64
         );
         next_seq += total;
     }
