@@ -72,6 +72,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V16__triggers_name_pg_catalog",
         include_str!("../../migrations/V16__triggers_name_pg_catalog.sql"),
     ),
+    (
+        "V17__replica_silent_partitions",
+        include_str!("../../migrations/V17__replica_silent_partitions.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

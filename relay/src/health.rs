@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::publish::PublishError;
+use crate::publish::{PublishError, SilentPartition};
 use crate::source;
 use crate::source::store::StoreError;
 
@@ -24,6 +24,8 @@ pub struct Stats {
     owner_up: AtomicBool,
     /// Whether the broker is down, and when it last failed a batch.
     broker: Mutex<Broker>,
+    /// The broker's silent partitions at the probe's last check.
+    silent: Mutex<Vec<SilentPartition>>,
     /// Messages the broker confirmed and the relay deleted.
     published: AtomicU64,
     /// Messages the broker rejected (each attempt counts).
@@ -203,6 +205,11 @@ impl Stats {
     pub fn broker_down(&self) -> Option<(SystemTime, String)> {
         self.broker().down.clone()
     }
+
+    /// The broker's silent partitions, as the probe last found them.
+    pub fn set_silent_partitions(&self, silent: Vec<SilentPartition>) {
+        *self.silent.lock().unwrap_or_else(|p| p.into_inner()) = silent;
+    }
 }
 
 impl source::ownership::ReplicaReport for Stats {
@@ -211,6 +218,13 @@ impl source::ownership::ReplicaReport for Stats {
             in_flight: self.in_flight(),
             published: self.counted(Event::Published),
             broker_down: self.broker_down(),
+            silent_partitions: self
+                .silent
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .map(|s| (s.topic.clone(), s.partition, s.since))
+                .collect(),
         }
     }
 

@@ -340,6 +340,24 @@ async fn a_produce_outage_keeps_the_broker_reported_down_until_it_ends() {
 }
 
 /// What of `written` went to partitions other than `offline` (of 4).
+/// The partitions of `topic` that `outbox-relay status` reports silent.
+async fn silent_in_status(db: &TestDb, topic: &str) -> Vec<i32> {
+    outbox_relay::ops::status::status(&db.client, &db.schema)
+        .await
+        .expect("status")
+        .blockers
+        .iter()
+        .filter_map(|b| match b {
+            outbox_relay::ops::status::Blocker::PartitionSilent {
+                topic: t,
+                partition,
+                ..
+            } if t == topic => Some(*partition),
+            _ => None,
+        })
+        .collect()
+}
+
 fn elsewhere(written: &Written, offline: i32) -> Written {
     Written {
         committed: written
@@ -612,6 +630,15 @@ async fn fresh_keys_on_an_offline_partition_do_not_hold_back_the_others() {
         .await,
         "the relay never held records of partition {offline} back"
     );
+    // Operators see it in `status`: the replica's heartbeat names it.
+    assert!(
+        eventually(PATIENCE, || async {
+            silent_in_status(db, topic).await == vec![offline]
+        })
+        .await,
+        "status never named partition {offline} of {topic} silent: {:?}",
+        silent_in_status(db, topic).await
+    );
     let unkeyed: Vec<outbox_client::Message> = (0..500)
         .map(|i| {
             outbox_client::Message::builder(topic.as_str())
@@ -682,6 +709,14 @@ async fn fresh_keys_on_an_offline_partition_do_not_hold_back_the_others() {
     assert!(
         eventually(PATIENCE, || async { db.pending().await == 0 }).await,
         "not drained"
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            silent_in_status(db, topic).await.is_empty()
+        })
+        .await,
+        "status still names partitions of {topic} silent after they answered: {:?}",
+        silent_in_status(db, topic).await
     );
     eventually(PATIENCE, || async { all_seen(&written, &keyed()) }).await;
     let report = check(&written, &keyed());

@@ -288,3 +288,46 @@ async fn a_relay_whose_worker_dies_stops_with_an_error() {
     sink.cleanup().await;
     db.cleanup().await;
 }
+
+/// During a rolling deploy the relay of this version may start before the
+/// schema is migrated: on a schema without V17's `silent_partitions`
+/// column it must heartbeat, take its partitions and relay as before, and
+/// `status` must read the replicas (reporting no silent partitions).
+#[tokio::test]
+async fn a_relay_and_status_run_on_a_schema_a_migration_behind() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE {}.replicas DROP COLUMN silent_partitions",
+            db.schema.quoted()
+        ))
+        .await
+        .expect("back to V16's replicas");
+    let settings = outbox_relay::Settings {
+        lease: Duration::from_millis(500),
+        ..fast_settings()
+    };
+    let rabbit = outbox_tests::amqp::Fixture::new().await;
+    let relay = InProcessRelay::amqp(&db, settings);
+    if let Err(o) = wait_balanced(&db, 1).await {
+        panic!("the relay never took its partitions on the older schema: {o:?}");
+    }
+    let written = workload::spawn(&db, Spec::new(&rabbit.exchange, 2, 20, 200))
+        .await
+        .expect("writers");
+    assert!(
+        outbox_tests::eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "{} of {} messages still waiting on the older schema",
+        db.pending().await,
+        written.committed.len()
+    );
+    let status = outbox_relay::ops::status(&db.client, &db.schema)
+        .await
+        .expect("status on the older schema");
+    assert_eq!(status.replicas.len(), 1);
+    assert!(status.replicas[0].silent_partitions.is_empty());
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

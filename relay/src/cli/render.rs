@@ -118,6 +118,18 @@ pub(super) fn status_text(v: &Status) -> String {
                     application.as_deref().unwrap_or(""),
                     state.as_deref().unwrap_or(""),
                 ),
+                Blocker::PartitionSilent {
+                    slot,
+                    topic,
+                    partition,
+                    silent_for_s,
+                    why,
+                    ..
+                } => writeln!(
+                    o,
+                    "  partition {partition} of {topic:?} silent for {} (replica {slot}): {why}",
+                    human_age(*silent_for_s),
+                ),
                 Blocker::BrokerUnreachable {
                     slot,
                     down_for_s,
@@ -273,5 +285,44 @@ mod tests {
         assert_eq!(human_age(Some(600.0)), "10m");
         assert_eq!(human_age(Some(9000.0)), "2.5h");
         assert_eq!(human_age(None), "-");
+    }
+
+    #[test]
+    fn a_silent_partition_is_named_under_holding_back() {
+        let v = Status {
+            schema: "outbox".into(),
+            at: "2026-12-05T00:00:00Z".into(),
+            backlog: Vec::new(),
+            in_flight: 0,
+            dead_letters: 0,
+            published_retained: crate::ops::status::Retained {
+                count: 0,
+                at_least: false,
+                oldest_at: None,
+                oldest_age_s: None,
+            },
+            parked_keys: Vec::new(),
+            paused: Vec::new(),
+            replicas: Vec::new(),
+            partitions_owned: 64,
+            partitions_total: 64,
+            backlog_per_partition: Vec::new(),
+            blockers: vec![Blocker::PartitionSilent {
+                slot: 7,
+                topic: "orders".into(),
+                partition: 3,
+                since: "2026-12-04T23:58:00Z".into(),
+                silent_for_s: Some(120.0),
+                why: "why",
+            }],
+        };
+        let text = status_text(&v);
+        assert!(
+            text.contains("partition 3 of \"orders\" silent for 2m (replica 7): why"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&v).expect("json");
+        assert_eq!(json["blockers"][0]["kind"], "partition_silent");
+        assert_eq!(json["blockers"][0]["partition"], 3);
     }
 }

@@ -479,7 +479,8 @@ fn payload_budget_kib(settings: &Settings) -> u32 {
 
 /// Checks the broker every 2 s so readiness reflects an outage even while no
 /// batch is in flight to notice it. Its yes counts once no batch has failed
-/// for `quiet` (see [`Stats::note_broker_probe`]).
+/// for `quiet` (see [`Stats::note_broker_probe`]). Also copies the broker's
+/// silent partitions into the heartbeat's figures.
 async fn probe_broker<P: Publisher>(
     publisher: Arc<P>,
     stats: Arc<Stats>,
@@ -491,6 +492,7 @@ async fn probe_broker<P: Publisher>(
             Ok(()) => stats.note_broker_probe(None, quiet),
             Err(e) => stats.note_broker_probe(Some(&e), quiet),
         }
+        stats.set_silent_partitions(publisher.silent_partitions());
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(Duration::from_secs(2)) => {}

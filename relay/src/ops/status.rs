@@ -129,12 +129,38 @@ pub struct Replica {
     pub broker_down_for_s: Option<f64>,
     /// The broker error it last saw.
     pub broker_error: Option<String>,
+    /// Broker partitions that leave its records unanswered while the rest
+    /// answers.
+    pub silent_partitions: Vec<SilentPartition>,
     /// The partitions it owns.
     pub partitions: Vec<i32>,
     /// Since when it owns them.
     pub owning_since: Option<String>,
     /// For how long, in seconds.
     pub owning_since_age_s: Option<f64>,
+}
+
+/// A broker partition that leaves a replica's records unanswered while the
+/// rest of the broker answers (a Kafka partition without a reachable
+/// leader): the replica holds its records back and tries it again once per
+/// message timeout.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct SilentPartition {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// Since when (RFC 3339).
+    pub since: String,
+}
+
+impl SilentPartition {
+    /// Seconds since it fell silent, if `since` reads as a time.
+    fn silent_for_s(&self) -> Option<f64> {
+        humantime::parse_rfc3339_weak(&self.since)
+            .ok()
+            .and_then(|t| age_secs(Some(t)))
+    }
 }
 
 /// Waiting rows of one partition.
@@ -160,6 +186,22 @@ pub enum Blocker {
         state: Option<String>,
         /// How long it has been open, in seconds.
         age_s: Option<f64>,
+        /// Why it matters.
+        why: &'static str,
+    },
+    /// A broker partition leaves a replica's records unanswered while the
+    /// rest answers: messages whose key places them there wait.
+    PartitionSilent {
+        /// The replica's slot.
+        slot: i32,
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// Since when (RFC 3339).
+        since: String,
+        /// For how long, in seconds.
+        silent_for_s: Option<f64>,
         /// Why it matters.
         why: &'static str,
     },
@@ -278,7 +320,8 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
                     GROUP BY pid) \
                  SELECT p.slot, r.host, r.pid, r.started_at, r.seen_at, r.in_flight, r.published, \
                         r.broker_down_since, r.broker_error, coalesce(o.parts, '{{}}'), \
-                        (SELECT min(since) FROM {s}.partition_owners po WHERE po.slot = p.slot) \
+                        (SELECT min(since) FROM {s}.partition_owners po WHERE po.slot = p.slot), \
+                        to_jsonb(r) -> 'silent_partitions' \
                  FROM present p LEFT JOIN {s}.replicas r ON r.slot = p.slot \
                  LEFT JOIN owned o ON o.pid = p.pid ORDER BY r.started_at"
             ),
@@ -299,6 +342,12 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
             broker_down_since: at(r.get(7)),
             broker_down_for_s: age_secs(r.get(7)),
             broker_error: r.get(8),
+            // Read through to_jsonb, so that a schema a migration behind
+            // (V17, during a rolling deploy) reads as none.
+            silent_partitions: r
+                .get::<_, Option<serde_json::Value>>(11)
+                .and_then(|v| serde_json::from_value(v).ok())
+                .unwrap_or_default(),
             partitions: r.get(9),
             owning_since: at(r.get(10)),
             owning_since_age_s: age_secs(r.get(10)),
@@ -360,6 +409,16 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
         });
     }
     for r in &replicas {
+        for p in &r.silent_partitions {
+            blockers.push(Blocker::PartitionSilent {
+                slot: r.slot,
+                topic: p.topic.clone(),
+                partition: p.partition,
+                since: p.since.clone(),
+                silent_for_s: p.silent_for_s(),
+                why: "the broker leaves this partition's records unanswered (no reachable leader?) while the rest answers: messages whose key places them there wait, and are tried again once per message timeout; the others go ahead",
+            });
+        }
         if let Some(down_for_s) = r.broker_down_for_s {
             blockers.push(Blocker::BrokerUnreachable {
                 slot: r.slot,

@@ -16,6 +16,20 @@ pub mod kafka;
 pub mod memory;
 pub mod pace;
 
+/// Part of the broker that leaves the relay's messages unanswered while the
+/// rest answers: a Kafka partition without a reachable leader. The relay
+/// holds its records back (see `kafka::silent`), and reports it in the
+/// replica's heartbeat, so `status` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SilentPartition {
+    /// The topic.
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// Since when it has been silent.
+    pub since: std::time::SystemTime,
+}
+
 /// Why the broker did not accept one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
@@ -177,6 +191,12 @@ pub trait Publisher: Send + Sync + 'static {
     /// an error keeps the broker reported down (logs, `status`) between
     /// batches.
     fn ready(&self) -> impl Future<Output = Result<(), PublishError>> + Send + '_;
+
+    /// The parts of the broker that are silent now. The probe reads it with
+    /// each check. The default has none.
+    fn silent_partitions(&self) -> Vec<SilentPartition> {
+        Vec::new()
+    }
 
     /// Called when a batch was given up mid-publish (it ran past its
     /// deadline): drop whatever could still send its messages later, so the

@@ -94,6 +94,9 @@ pub struct Heartbeat {
     pub published: u64,
     /// Since when the broker has been unreachable, and why.
     pub broker_down: Option<(std::time::SystemTime, String)>,
+    /// The broker's partitions that leave records unanswered while the rest
+    /// answers: topic, partition, and since when.
+    pub silent_partitions: Vec<(String, i32, std::time::SystemTime)>,
 }
 
 /// The replica's side of ownership: what goes into each heartbeat, and
@@ -157,6 +160,9 @@ async fn own(
     report.set_owner_up(true);
     let replicas = format!("{}.replicas", schema.quoted());
     let owners = format!("{}.partition_owners", schema.quoted());
+    let beat_statement = client
+        .answered(bound, beat_statement(&client, &replicas))
+        .await?;
 
     let tick = settings.lease / 5;
     let mut mine: Vec<i16> = Vec::new();
@@ -175,7 +181,15 @@ async fn own(
                 .map(|_| ());
         }
         let beat = report.heartbeat();
-        let step = heartbeat(&client, &keys, slot, &replicas, &owners, beat, &mut mine);
+        let step = heartbeat(
+            &client,
+            &keys,
+            slot,
+            &beat_statement,
+            &owners,
+            beat,
+            &mut mine,
+        );
         // A heartbeat's commit may wait for a missing synchronous standby
         // for as long as it stays away; shutdown does not wait with it.
         let stepped = tokio::select! {
@@ -253,13 +267,41 @@ async fn register(
     Ok((keys, slot))
 }
 
-/// One heartbeat: records this replica's figures, then takes or releases
-/// partitions toward its share. The partitions it owns, if they changed.
+/// The UPDATE that records a heartbeat's figures in `replicas`: with the
+/// silent partitions where the table has their column (V17), without on a
+/// schema a migration behind, as during a rolling deploy that has not
+/// migrated yet.
+async fn beat_statement(client: &Client, replicas: &str) -> Result<String, tokio_postgres::Error> {
+    let silent: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_attribute \
+             WHERE attrelid = $1::text::regclass AND attname = 'silent_partitions' \
+               AND NOT attisdropped)",
+            &[&replicas],
+        )
+        .await?
+        .get(0);
+    let set = format!(
+        "UPDATE {replicas} SET seen_at = now(), in_flight = $2, published = $3, \
+         broker_down_since = $4, broker_error = $5"
+    );
+    Ok(if silent {
+        format!("{set}, silent_partitions = $6 WHERE slot = $1")
+    } else {
+        // No column for $6 (the silent partitions, never NULL): naming it
+        // keeps one parameter list for both statements.
+        format!("{set} WHERE slot = $1 AND $6::jsonb IS NOT NULL")
+    })
+}
+
+/// One heartbeat: records this replica's figures (by `update`, from
+/// [`beat_statement`]), then takes or releases partitions toward its share.
+/// The partitions it owns, if they changed.
 async fn heartbeat(
     client: &Client,
     keys: &LockKeys,
     slot: i32,
-    replicas: &str,
+    update: &str,
     owners: &str,
     beat: Heartbeat,
     mine: &mut Vec<i16>,
@@ -270,13 +312,29 @@ async fn heartbeat(
     };
     let in_flight = i32::try_from(beat.in_flight).unwrap_or(i32::MAX);
     let published = i64::try_from(beat.published).unwrap_or(i64::MAX);
+    let silent = serde_json::Value::Array(
+        beat.silent_partitions
+            .iter()
+            .map(|(topic, partition, since)| {
+                serde_json::json!({
+                    "topic": topic,
+                    "partition": partition,
+                    "since": humantime::format_rfc3339_micros(*since).to_string(),
+                })
+            })
+            .collect(),
+    );
     client
         .execute(
-            &format!(
-                "UPDATE {replicas} SET seen_at = now(), in_flight = $2, published = $3, \
-                 broker_down_since = $4, broker_error = $5 WHERE slot = $1"
-            ),
-            &[&slot, &in_flight, &published, &down_since, &down_error],
+            update,
+            &[
+                &slot,
+                &in_flight,
+                &published,
+                &down_since,
+                &down_error,
+                &silent,
+            ],
         )
         .await?;
     // Everyone present, by slot; targets sum to exactly PARTITIONS, the

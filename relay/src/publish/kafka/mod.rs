@@ -412,6 +412,10 @@ impl Publisher for KafkaPublisher {
         a.destination == b.destination
     }
 
+    fn silent_partitions(&self) -> Vec<crate::publish::SilentPartition> {
+        self.silent.list()
+    }
+
     async fn ready(&self) -> Result<(), PublishError> {
         let producer = self.producer();
         tokio::task::spawn_blocking(move || {

@@ -184,6 +184,29 @@ impl Silent {
         }
     }
 
+    /// The silent partitions, oldest first.
+    pub(super) fn list(&self) -> Vec<crate::publish::SilentPartition> {
+        if !self.any() {
+            return Vec::new();
+        }
+        let now = std::time::SystemTime::now();
+        let mut list: Vec<_> = self
+            .map()
+            .iter()
+            .map(
+                |((topic, partition), quiet)| crate::publish::SilentPartition {
+                    topic: topic.clone(),
+                    partition: *partition,
+                    since: now - quiet.since.elapsed(),
+                },
+            )
+            .collect();
+        list.sort_by(|a, b| {
+            (a.since, &a.topic, a.partition).cmp(&(b.since, &b.topic, b.partition))
+        });
+        list
+    }
+
     /// `partition` of `topic` confirmed a record.
     pub(super) fn answered(&self, topic: &str, partition: i32) {
         if self.count.load(Ordering::Relaxed) == 0 {
@@ -234,6 +257,40 @@ mod tests {
             ((-973_932_308i32 & 0x7fff_ffff) % 7)
         );
         assert_eq!(murmur2_partition(b"anything", 1), 0);
+    }
+
+    #[tokio::test]
+    async fn the_silent_partitions_are_listed_until_they_answer() {
+        let silent = Silent::new(Duration::from_secs(30));
+        assert!(silent.list().is_empty());
+        let before = std::time::SystemTime::now();
+        silent.unanswered("t", 2);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        silent.unanswered("u", 0);
+        silent.unanswered("t", 2);
+        let listed: Vec<(String, i32)> = silent
+            .list()
+            .into_iter()
+            .map(|p| {
+                // Within the clocks' drift of when it was marked.
+                let slack = Duration::from_millis(50);
+                assert!(
+                    p.since + slack >= before && p.since <= std::time::SystemTime::now() + slack,
+                    "silent since {:?}, marked after {before:?}",
+                    p.since
+                );
+                (p.topic, p.partition)
+            })
+            .collect();
+        assert_eq!(
+            listed,
+            [("t".to_owned(), 2), ("u".to_owned(), 0)],
+            "oldest first, each once"
+        );
+        silent.answered("t", 2);
+        assert_eq!(silent.list().len(), 1);
+        silent.answered("u", 0);
+        assert!(silent.list().is_empty());
     }
 
     #[tokio::test(start_paused = true)]
