@@ -281,6 +281,50 @@ pub fn stat_of(pid: u32) -> Option<(String, u64)> {
     Some((comm, ticks))
 }
 
+/// The local ports of this process's TCP sockets, from /proc: on the client
+/// side of a connection to Postgres, `pg_stat_activity.client_port`. Tells
+/// this process's sessions (an in-process relay's) from another process's
+/// on the same database.
+pub fn own_tcp_ports() -> Vec<i32> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    l.to_str()?
+                        .strip_prefix("socket:[")?
+                        .strip_suffix(']')
+                        .map(str::to_owned)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut ports = Vec::new();
+    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        // sl local_address rem_address st tx_queue:rx_queue tr:tm->when
+        // retrnsmt uid timeout inode ...; addresses as HEX_IP:HEX_PORT.
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(inode)) = (fields.get(1), fields.get(9)) else {
+                continue;
+            };
+            if !inodes.contains(*inode) {
+                continue;
+            }
+            if let Some(port) = local
+                .rsplit_once(':')
+                .and_then(|(_, p)| i32::from_str_radix(p, 16).ok())
+            {
+                ports.push(port);
+            }
+        }
+    }
+    ports
+}
+
 /// Peak resident memory (VmHWM) of process `pid`, in KiB.
 pub fn peak_rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -315,5 +359,22 @@ impl Drop for RelayProcess {
                 leaks.join("\n")
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A connection this process opens shows among its ports; one of
+    /// another process (none here) would not.
+    #[test]
+    fn own_tcp_ports_names_this_processs_connections() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client =
+            std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let port = i32::from(client.local_addr().expect("local").port());
+        assert!(
+            super::own_tcp_ports().contains(&port),
+            "port {port} of this process's connection not found"
+        );
     }
 }

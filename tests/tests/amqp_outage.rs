@@ -266,14 +266,17 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     // has its session ended by the server (idle_in_transaction_session_timeout)
     // and the relay reconnects under a new pid. Each as "pid started-at",
     // so that a failure shows which session went, which came, and when.
+    // Only this process's: a relay of another test process on the same
+    // database (one run beside the suite) ended its sessions in this window
+    // and failed the test.
     let sessions = || async {
         let mut pids: Vec<String> = db
             .client
             .query(
                 "SELECT pid::text || ' ' || backend_start::text \
                  FROM pg_stat_activity WHERE application_name = 'outbox-relay' \
-                 AND datname = current_database()",
-                &[],
+                 AND datname = current_database() AND client_port = ANY($1)",
+                &[&outbox_tests::process::own_tcp_ports()],
             )
             .await
             .expect("activity")
@@ -284,6 +287,7 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
         pids
     };
     let before = sessions().await;
+    assert!(!before.is_empty(), "the relay's sessions were not found");
     let alarm = MemoryAlarm::raise().await;
     // Long enough for several batch deadlines and hold limits to pass, and
     // for the broker probe (every 2 s) to run several times. Once a batch
