@@ -328,6 +328,26 @@ async fn consume_forever(
     }
 }
 
+/// Whether `queue` still counts a consumer, asked on `ch` within 5 s: the
+/// test consumer's own, the only one a fixture's queue has.
+async fn registered(conn: &Connection, ch: &Channel, queue: &str) -> bool {
+    if !conn.status().connected() {
+        return false;
+    }
+    let asked = ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    );
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), asked).await,
+        Ok(Ok(q)) if q.consumer_count() > 0
+    )
+}
+
 async fn consume_once(
     exchange: &str,
     queue: &str,
@@ -349,9 +369,10 @@ async fn consume_once(
                 FieldTable::default(),
             )
             .await?;
-        Ok::<_, lapin::Error>((conn, consumer))
+        Ok::<_, lapin::Error>((conn, ch, consumer))
     };
-    let (conn, mut consumer) = match tokio::time::timeout(Duration::from_secs(10), setup).await {
+    let (conn, ch, mut consumer) = match tokio::time::timeout(Duration::from_secs(10), setup).await
+    {
         Ok(r) => r?,
         Err(_) => {
             tracing::debug!("test consumer: no answer from rabbitmq within 10s; reconnecting");
@@ -366,9 +387,12 @@ async fn consume_once(
             }
             n = tokio::time::timeout(Duration::from_secs(5), consumer.next()) => match n {
                 Ok(n) => n,
-                // Quiet for a while: fine on a live connection, a reason to
-                // reconnect on a dead one that never reported its end.
-                Err(_) if conn.status().connected() => continue,
+                // Quiet for a while: fine for a consumer the queue still
+                // has, a reason to reconnect otherwise. The connection's own
+                // status is not enough: after a broker restart one consumer
+                // stayed "connected" for two minutes while its queue filled
+                // with no consumer, and every message looked lost.
+                Err(_) if registered(&conn, &ch, queue).await => continue,
                 Err(_) => return Ok(()),
             },
         };
