@@ -5,6 +5,8 @@
 -- {"topic", "partition", "since"}.
 --
 -- Additive: relays of the previous version do not write the column and read
--- nothing from it; it stays empty for them. A relay of this version refuses
--- a schema without it at start-up, as it does any schema a migration behind.
+-- nothing from it; it stays empty for them. A relay of this version checks
+-- for the column once per ownership session and leaves it out of its
+-- heartbeat on a schema without it, and `status` reads it through
+-- to_jsonb, so the migration may come before or after the rollout.
 ALTER TABLE replicas ADD COLUMN silent_partitions jsonb NOT NULL DEFAULT '[]';
