@@ -48,6 +48,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         Ok(BatchEnd::Settled {
             more: true,
             late: false,
+            gather: None,
         })
     }
 }

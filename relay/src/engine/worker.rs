@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::hooks;
-use super::idle::{Idle, STANDBY_RECHECK};
+use super::idle::{gather_cycle, Idle, STANDBY_RECHECK};
 use super::plan::{publish_in_waves, settle_plan};
 use super::record::record_settled;
 use super::Settings;
@@ -81,8 +81,13 @@ pub(super) enum BatchEnd {
     /// A batch was settled; `more` when more is probably waiting: the claim
     /// took as much as a batch may hold, or left rows behind another batch.
     /// `late` when it took longer, from claim to settle, than the shortest
-    /// pause.
-    Settled { more: bool, late: bool },
+    /// pause. `gather`: how far apart claims would find a trickle's batch
+    /// each, at the rate this one found rows (see [`gather_cycle`]).
+    Settled {
+        more: bool,
+        late: bool,
+        gather: Option<Duration>,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -180,16 +185,22 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 Some(Ok(BatchEnd::Settled {
                     more: false,
                     late: false,
+                    gather,
                 })) => {
                     // A trickle: one worker at a time keeps the shortest
-                    // pause, so its batches gather what arrives meanwhile.
+                    // pause, so its batches gather what arrives meanwhile,
+                    // and ends it early once a trickle's batch is waiting
+                    // (a stream faster than the pause needs).
                     broker.reset();
                     idle.reset();
-                    self.poll_or_stand_by(&mut idle, true, shutdown).await;
+                    let gather = self.idle.gather_pause(gather);
+                    self.poll_or_stand_by(&mut idle, true, gather, shutdown)
+                        .await;
                 }
                 Some(Ok(BatchEnd::Settled {
                     more: false,
                     late: true,
+                    gather,
                 })) => {
                     // Batches slower than the shortest pause (a slow broker,
                     // a busy database): one poller would hold every claim
@@ -197,7 +208,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     // pause and the claims overlap the confirms.
                     broker.reset();
                     idle.reset();
-                    self.pause(idle.next_delay(), shutdown).await;
+                    let pause = idle.next_delay();
+                    let gather = self.idle.gather_pause(gather);
+                    self.pause(gather.map_or(pause, |g| pause.min(g)), shutdown)
+                        .await;
                 }
                 Some(Ok(BatchEnd::Empty { behind: true })) => {
                     // The batch ahead hands work over when it settles;
@@ -207,7 +221,8 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     self.pause(idle.next_delay(), shutdown).await;
                 }
                 Some(Ok(BatchEnd::Empty { behind: false })) => {
-                    self.poll_or_stand_by(&mut idle, false, shutdown).await;
+                    self.poll_or_stand_by(&mut idle, false, None, shutdown)
+                        .await;
                 }
                 Some(Err(BatchError::Publish(e))) => {
                     // Stats::note_batch logged the change of state.
@@ -254,18 +269,22 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     /// standby recheck). Each worker keeping the shortest pause would claim
     /// a trickle in batches that many times smaller, each with its own
     /// round trips. A worker that found rows while another polls ends that
-    /// poller's pause, which may have grown while the outbox was empty.
+    /// poller's pause, which may have grown while the outbox was empty. A
+    /// poller's pause ends after `gather` if sooner.
     async fn poll_or_stand_by(
         &mut self,
         idle: &mut Backoff,
         found: bool,
+        gather: Option<Duration>,
         shutdown: &CancellationToken,
     ) {
         match self.idle.poller.clone().try_lock_owned() {
             Ok(_polling) => {
                 let poll_now = Arc::clone(&self.idle.poll_now);
+                let pause = idle.next_delay();
+                let pause = gather.map_or(pause, |g| pause.min(g));
                 tokio::select! {
-                    _ = self.pause(idle.next_delay(), shutdown) => {}
+                    _ = self.pause(pause, shutdown) => {}
                     _ = poll_now.notified() => idle.reset(),
                 }
             }
@@ -350,6 +369,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // wait itself cannot end the session: statement_timeout stops the
         // other claim at half the hold limit.)
         let claimed_at = Instant::now();
+        let window = self.idle.claim_started(claimed_at);
         let deadline = claimed_at + self.settings.hold_limit / 2;
         // The next claim may start once this one's rows are locked, while
         // their verdicts are still being decided.
@@ -398,6 +418,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 BatchEnd::Settled {
                     more: true,
                     late: false,
+                    gather: None,
                 }
             } else {
                 BatchEnd::Empty { behind }
@@ -424,6 +445,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
+                gather: None,
             }); // closed: never, the relay owns it
         };
         // A row whose writer committed with less than the server's default
@@ -459,6 +481,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
+                gather: None,
             }); // closed: never, the relay owns it
         };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
@@ -476,6 +499,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
+                gather: None,
             });
         }
         // Half its time gone waiting for a slot (batches ahead of it on a
@@ -487,6 +511,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: true,
+                gather: None,
             });
         }
         self.stats.add_in_flight(batch.len() as i64);
@@ -527,6 +552,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 return Ok(BatchEnd::Settled {
                     more: true,
                     late: true,
+                    gather: None,
                 });
             }
             Err(e) => {
@@ -621,6 +647,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             "batch settled"
         );
         let late = claimed_at.elapsed() >= self.settings.poll_min;
-        Ok(BatchEnd::Settled { more, late })
+        Ok(BatchEnd::Settled {
+            more,
+            late,
+            gather: gather_cycle(batch.len(), window),
+        })
     }
 }

@@ -89,6 +89,69 @@ async fn a_trickle_goes_out_within_the_shortest_pause_in_batches_of_several() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_stream_faster_than_the_pause_needs_is_claimed_once_a_batch_waits() {
+    // 5,000 rows a second with a 50 ms shortest pause: every pause would
+    // gather 125-250 rows, each of which waited up to the whole pause
+    // although a batch of several was there within a few milliseconds.
+    // The poller ends its pause once about a trickle's batch is waiting.
+    let poll_min = Duration::from_millis(50);
+    fast_stream(poll_min, poll_min / 2).await;
+}
+
+/// 15,000 rows at 5,000 a second, with `poll_min` longer than a trickle's
+/// batch takes to arrive; asserts that the p99 wait stayed under `bound`
+/// (whole pauses would pass it), and that the rows still went out in
+/// batches of several.
+async fn fast_stream(poll_min: Duration, bound: Duration) {
+    let settings = Settings {
+        poll_min,
+        poll_interval: poll_min * 4,
+        ..Settings::default()
+    };
+    let store = MemoryStore::default();
+    store.set_statement_time(MS / 10);
+    let relay = start(settings.clone(), store, Broker::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut enqueued = std::collections::HashMap::new();
+    for i in 0..15_000 {
+        // Keys enough that batches need not wait for each other.
+        let seq = relay.store.enqueue(&format!("k{}", i % 5_000), 100);
+        enqueued.insert(seq, Instant::now());
+        if i % 5 == 4 {
+            tokio::time::sleep(MS).await;
+        }
+    }
+    relay
+        .until(Duration::from_secs(5), |r| r.store.waiting() == 0)
+        .await;
+    let answered = relay.broker.answered();
+    let batches = relay.broker.batches.load(Ordering::Relaxed);
+    relay.stop().await;
+    let mut waits: Vec<Duration> = answered
+        .iter()
+        .map(|(seq, _, at)| *at - enqueued[seq])
+        .collect();
+    waits.sort();
+    let p99 = waits[waits.len() * 99 / 100];
+    eprintln!(
+        "p99 wait {p99:?}, {} rows in {batches} batches",
+        answered.len()
+    );
+    assert!(
+        p99 < bound,
+        "p99 wait {p99:?}: the workers kept their whole pause while batches of {} waited",
+        answered.len() / batches.max(1)
+    );
+    // Not one by one either: about a trickle's batch each.
+    assert!(
+        batches * crate::engine::idle::GATHER / 2 <= answered.len(),
+        "{} rows in {batches} batches: the pause ended before a batch was waiting",
+        answered.len()
+    );
+    assert_key_order(&answered);
+}
+
+#[tokio::test(start_paused = true)]
 async fn one_hot_key_drains_back_to_back_in_order() {
     let settings = Settings::default();
     let store = MemoryStore::default();
