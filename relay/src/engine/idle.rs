@@ -10,8 +10,9 @@ use tokio::time::Instant;
 /// a time (the holder of `poller`) claims at pauses that grow from
 /// `poll_min` to `poll_interval`, and keeps the shortest pause while its
 /// claims find rows (shorter still once a stream would fill a [`GATHER`]
-/// sooner); the others stand by until `work` hands them something. A full batch, a notification (NOTIFY) or an ownership
-/// change wakes one more worker, never all of them for one row.
+/// sooner); the others stand by until `work` hands them something. A full
+/// batch, a notification (NOTIFY) or an ownership change wakes one more
+/// worker, never all of them for one row.
 #[derive(Clone, Default)]
 pub(super) struct Idle {
     pub(super) poller: Arc<tokio::sync::Mutex<()>>,
