@@ -48,7 +48,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         Ok(BatchEnd::Settled {
             more: true,
             late: false,
-            gather: None,
+            cycle: None,
         })
     }
 }

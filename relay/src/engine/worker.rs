@@ -81,12 +81,12 @@ pub(super) enum BatchEnd {
     /// A batch was settled; `more` when more is probably waiting: the claim
     /// took as much as a batch may hold, or left rows behind another batch.
     /// `late` when it took longer, from claim to settle, than the shortest
-    /// pause. `gather`: how far apart claims would find a trickle's batch
+    /// pause. `cycle`: how far apart claims would find a trickle's batch
     /// each, at the rate this one found rows (see [`gather_cycle`]).
     Settled {
         more: bool,
         late: bool,
-        gather: Option<Duration>,
+        cycle: Option<Duration>,
     },
 }
 
@@ -185,7 +185,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 Some(Ok(BatchEnd::Settled {
                     more: false,
                     late: false,
-                    gather,
+                    cycle,
                 })) => {
                     // A trickle: one worker at a time keeps the shortest
                     // pause, so its batches gather what arrives meanwhile,
@@ -193,14 +193,14 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     // (a stream faster than the pause needs).
                     broker.reset();
                     idle.reset();
-                    let gather = self.idle.gather_pause(gather);
+                    let gather = self.idle.gather_pause(cycle);
                     self.poll_or_stand_by(&mut idle, true, gather, shutdown)
                         .await;
                 }
                 Some(Ok(BatchEnd::Settled {
                     more: false,
                     late: true,
-                    gather,
+                    cycle,
                 })) => {
                     // Batches slower than the shortest pause (a slow broker,
                     // a busy database): one poller would hold every claim
@@ -209,7 +209,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     broker.reset();
                     idle.reset();
                     let pause = idle.next_delay();
-                    let gather = self.idle.gather_pause(gather);
+                    let gather = self.idle.gather_pause(cycle);
                     self.pause(gather.map_or(pause, |g| pause.min(g)), shutdown)
                         .await;
                 }
@@ -418,7 +418,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 BatchEnd::Settled {
                     more: true,
                     late: false,
-                    gather: None,
+                    cycle: None,
                 }
             } else {
                 BatchEnd::Empty { behind }
@@ -445,7 +445,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
-                gather: None,
+                cycle: None,
             }); // closed: never, the relay owns it
         };
         // A row whose writer committed with less than the server's default
@@ -481,7 +481,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
-                gather: None,
+                cycle: None,
             }); // closed: never, the relay owns it
         };
         // A process stopped between claim and publish (SIGSTOP, a long GC-like
@@ -499,7 +499,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: false,
-                gather: None,
+                cycle: None,
             });
         }
         // Half its time gone waiting for a slot (batches ahead of it on a
@@ -511,7 +511,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             return Ok(BatchEnd::Settled {
                 more: true,
                 late: true,
-                gather: None,
+                cycle: None,
             });
         }
         self.stats.add_in_flight(batch.len() as i64);
@@ -552,7 +552,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 return Ok(BatchEnd::Settled {
                     more: true,
                     late: true,
-                    gather: None,
+                    cycle: None,
                 });
             }
             Err(e) => {
@@ -650,7 +650,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         Ok(BatchEnd::Settled {
             more,
             late,
-            gather: gather_cycle(batch.len(), window),
+            cycle: gather_cycle(batch.len(), window),
         })
     }
 }

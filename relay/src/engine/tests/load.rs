@@ -94,15 +94,9 @@ async fn a_stream_faster_than_the_pause_needs_is_claimed_once_a_batch_waits() {
     // gather 125-250 rows, each of which waited up to the whole pause
     // although a batch of several was there within a few milliseconds.
     // The poller ends its pause once about a trickle's batch is waiting.
+    // 15,000 rows go in at that rate; whole pauses would put the p99 wait
+    // past half the pause, and one-by-one claims would show in the batches.
     let poll_min = Duration::from_millis(50);
-    fast_stream(poll_min, poll_min / 2).await;
-}
-
-/// 15,000 rows at 5,000 a second, with `poll_min` longer than a trickle's
-/// batch takes to arrive; asserts that the p99 wait stayed under `bound`
-/// (whole pauses would pass it), and that the rows still went out in
-/// batches of several.
-async fn fast_stream(poll_min: Duration, bound: Duration) {
     let settings = Settings {
         poll_min,
         poll_interval: poll_min * 4,
@@ -138,7 +132,7 @@ async fn fast_stream(poll_min: Duration, bound: Duration) {
         answered.len()
     );
     assert!(
-        p99 < bound,
+        p99 < poll_min / 2,
         "p99 wait {p99:?}: the workers kept their whole pause while batches of {} waited",
         answered.len() / batches.max(1)
     );
