@@ -5,7 +5,7 @@ use std::time::SystemTime;
 use outbox_client::SchemaName;
 use serde::Serialize;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 use uuid::Uuid;
 
 use super::{age_secs, at, rfc3339, OpsError};
@@ -131,96 +131,45 @@ pub async fn locate(
         location,
     };
     let s = schema.quoted();
+    let columns = "seq, destination, ordering_key, attempts, last_error, created_at, \
+                   last_attempt_at, next_attempt_at, partition";
     let tx = client.transaction().await?;
-    // Probe the row lock without waiting: a relay holding it is publishing it.
+    // Probe the row lock without waiting: a relay holding it is publishing
+    // it, or its claim is setting it aside again for a moment.
     let probe = tx
         .query_opt(
-            &format!(
-                "SELECT seq, destination, ordering_key, attempts, last_error, created_at, \
-                        last_attempt_at, next_attempt_at, partition \
-                 FROM {s}.messages WHERE message_id = $1 FOR UPDATE NOWAIT"
-            ),
+            &format!("SELECT {columns} FROM {s}.messages WHERE message_id = $1 FOR UPDATE NOWAIT"),
             &[&id],
         )
         .await;
     match probe {
-        Ok(Some(r)) => {
-            let next: SystemTime = r.get(7);
-            let mut w = Waiting {
-                seq: r.get(0),
-                destination: r.get(1),
-                key: r.get(2),
-                attempts: r.get(3),
-                last_error: r.get(4),
-                created_at: at(r.get(5)),
-                age_s: age_secs(r.get(5)),
-                last_attempt_at: at(r.get(6)),
-                last_attempt_age_s: age_secs(r.get(6)),
-                next_attempt_at: rfc3339(next),
-                next_attempt_in_s: next
-                    .duration_since(SystemTime::now())
-                    .ok()
-                    .map(|d| d.as_secs_f64()),
-                partition: r.get(8),
-                behind_dead_letter: None,
-                why: None,
-            };
-            // What holds a waiting message back, when something does: its
-            // destination is paused, or an older message of its key is a
-            // dead letter (the key is parked until that one is retried or
-            // discarded).
-            let paused = tx
+        Ok(Some(r)) => return Ok(located(waiting(&tx, &s, &r).await?)),
+        Ok(None) => drop(tx),
+        Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+            drop(tx);
+            // A row behind its key's dead letter, or of a paused
+            // destination, is never published: each claim that reaches
+            // it (every recheck, while that lasts) locks it only to set
+            // it aside again. Read unlocked, it says why it waits.
+            let row = client
                 .query_opt(
-                    &format!("SELECT reason FROM {s}.paused_destinations WHERE destination = $1"),
-                    &[&w.destination],
+                    &format!("SELECT {columns} FROM {s}.messages WHERE message_id = $1"),
+                    &[&id],
                 )
                 .await?;
-            let blocker = match &w.key {
-                Some(k) => tx
-                    .query_opt(
-                        &format!(
-                            "SELECT message_id::text FROM {s}.dead_letters \
-                             WHERE ordering_key = $1 AND seq < $2 ORDER BY seq LIMIT 1"
-                        ),
-                        &[k, &w.seq],
-                    )
-                    .await?
-                    .map(|r| r.get::<_, String>(0)),
-                None => None,
-            };
-            let location = if let Some(p) = paused {
-                w.why = Some(format!(
-                    "its destination is paused{} (outbox-relay resume {:?})",
-                    p.get::<_, Option<String>>(0)
-                        .map(|r| format!(": {r}"))
-                        .unwrap_or_default(),
-                    w.destination
-                ));
-                Location::Paused(w)
-            } else if let Some(dead) = blocker {
-                w.why = Some(format!(
-                    "parked behind dead letter {dead} of its key (outbox-relay dead-letters retry|discard --id {dead})"
-                ));
-                w.behind_dead_letter = Some(dead);
-                Location::Parked(w)
-            } else if w.attempts > 0 {
-                Location::Retrying(w)
-            } else if next > SystemTime::now() {
-                Location::Held(w)
-            } else {
-                Location::Pending(w)
-            };
-            return Ok(located(location));
-        }
-        Ok(None) => {}
-        Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-            return Ok(located(Location::InFlight {
-                why: "a relay holds it while the broker confirms it",
-            }))
+            if let Some(r) = row {
+                let location = waiting(&*client, &s, &r).await?;
+                if matches!(location, Location::Parked(_) | Location::Paused(_)) {
+                    return Ok(located(location));
+                }
+                return Ok(located(Location::InFlight {
+                    why: "a relay holds it while the broker confirms it",
+                }));
+            }
+            // Published and deleted since the probe: looked up below.
         }
         Err(e) => return Err(e.into()),
     }
-    drop(tx);
     if let Some(r) = client
         .query_opt(
             &format!(
@@ -264,4 +213,78 @@ pub async fn locate(
     Ok(located(Location::Unknown {
         why: "not in the outbox, the dead letters or the retained published rows: published and deleted (without --retention, rows go once the broker confirms), or never committed",
     }))
+}
+
+/// Where a message still in the outbox waits, from its row (`columns` of
+/// [`locate`]): behind a paused destination or its key's dead letter, out
+/// a retry delay, set aside, or due.
+async fn waiting(
+    client: &impl GenericClient,
+    s: &str,
+    r: &tokio_postgres::Row,
+) -> Result<Location, OpsError> {
+    let next: SystemTime = r.get(7);
+    let mut w = Waiting {
+        seq: r.get(0),
+        destination: r.get(1),
+        key: r.get(2),
+        attempts: r.get(3),
+        last_error: r.get(4),
+        created_at: at(r.get(5)),
+        age_s: age_secs(r.get(5)),
+        last_attempt_at: at(r.get(6)),
+        last_attempt_age_s: age_secs(r.get(6)),
+        next_attempt_at: rfc3339(next),
+        next_attempt_in_s: next
+            .duration_since(SystemTime::now())
+            .ok()
+            .map(|d| d.as_secs_f64()),
+        partition: r.get(8),
+        behind_dead_letter: None,
+        why: None,
+    };
+    // What holds a waiting message back, when something does: its
+    // destination is paused, or an older message of its key is a dead
+    // letter (the key is parked until that one is retried or discarded).
+    let paused = client
+        .query_opt(
+            &format!("SELECT reason FROM {s}.paused_destinations WHERE destination = $1"),
+            &[&w.destination],
+        )
+        .await?;
+    let blocker = match &w.key {
+        Some(k) => client
+            .query_opt(
+                &format!(
+                    "SELECT message_id::text FROM {s}.dead_letters \
+                     WHERE ordering_key = $1 AND seq < $2 ORDER BY seq LIMIT 1"
+                ),
+                &[k, &w.seq],
+            )
+            .await?
+            .map(|r| r.get::<_, String>(0)),
+        None => None,
+    };
+    Ok(if let Some(p) = paused {
+        w.why = Some(format!(
+            "its destination is paused{} (outbox-relay resume {:?})",
+            p.get::<_, Option<String>>(0)
+                .map(|r| format!(": {r}"))
+                .unwrap_or_default(),
+            w.destination
+        ));
+        Location::Paused(w)
+    } else if let Some(dead) = blocker {
+        w.why = Some(format!(
+            "parked behind dead letter {dead} of its key (outbox-relay dead-letters retry|discard --id {dead})"
+        ));
+        w.behind_dead_letter = Some(dead);
+        Location::Parked(w)
+    } else if w.attempts > 0 {
+        Location::Retrying(w)
+    } else if next > SystemTime::now() {
+        Location::Held(w)
+    } else {
+        Location::Pending(w)
+    })
 }

@@ -134,6 +134,27 @@ async fn parking_holds_back_one_key_and_retry_delivers_in_order() {
         human.contains("parked behind dead letter") && human.contains(&first.to_string()),
         "{human}"
     );
+    // Every recheck (`retry_max`), a relay's claim locks the parked rows for
+    // a moment to set them aside again. `locate` in that moment must still
+    // say why the message waits: a row behind its key's dead letter is
+    // never at the broker. Held here as such a claim holds it.
+    let claim = outbox_tests::db::connect(&db.config).await;
+    claim.batch_execute("BEGIN").await.expect("begin");
+    claim
+        .execute(
+            &format!(
+                "SELECT 1 FROM {} WHERE message_id::text = $1 FOR UPDATE",
+                db.table()
+            ),
+            &[&later[0].to_string()],
+        )
+        .await
+        .expect("lock the parked row");
+    let (code, out, _) = cli(db, &["locate", &later[0].to_string(), "--json"]).await;
+    claim.batch_execute("ROLLBACK").await.expect("rollback");
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "parked", "locked for a moment by a claim: {v}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let ids = rabbit.message_ids();
     for id in &later {
