@@ -257,6 +257,11 @@ pub async fn pause(
 
 /// Resumes a paused destination: its rows, and the rows of keys set aside
 /// behind them, are ready at once. Returns how many rows were brought back.
+///
+/// The rows are locked before they are brought back, waiting for a batch
+/// that holds them: a claim that found the destination still paused sets
+/// them aside until the next recheck (as behind a dead letter, see `discard`), and a batch
+/// claimed before the pause finishes publishing.
 pub async fn resume(
     client: &Client,
     schema: &SchemaName,
@@ -267,12 +272,16 @@ pub async fn resume(
         .query_one(
             &format!(
                 "WITH gone AS (DELETE FROM {s}.paused_destinations WHERE destination = $1 RETURNING 1), \
-                 back AS ( \
-                    UPDATE {s}.messages SET next_attempt_at = now() \
-                    WHERE EXISTS (SELECT 1 FROM gone) AND next_attempt_at > now() \
+                 held AS ( \
+                    SELECT seq, next_attempt_at FROM {s}.messages \
+                    WHERE EXISTS (SELECT 1 FROM gone) AND next_attempt_at <> '-infinity' \
                       AND (destination = $1 OR (attempts = 0 AND ordering_key IN ( \
                             SELECT ordering_key FROM {s}.messages \
                             WHERE destination = $1 AND ordering_key IS NOT NULL))) \
+                    FOR UPDATE), \
+                 back AS ( \
+                    UPDATE {s}.messages AS m SET next_attempt_at = now() FROM held \
+                    WHERE m.seq = held.seq AND held.next_attempt_at > now() \
                     RETURNING 1) \
                  SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM back)"
             ),
@@ -311,16 +320,26 @@ pub async fn discard(
     Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
 }
 
-/// A CTE named `unheld` that brings back the rows a claim set aside behind
-/// the dead letters in CTE `source` (rows never refused themselves, waiting
-/// behind their key's head), so the key flows again at once rather than at
-/// the next recheck. Safe however it races: the claim's head-of-key rule
-/// still holds back any row whose older rows remain.
+/// CTEs (`behind`, then `unheld`) that bring back the rows a claim set
+/// aside behind the dead letters in CTE `source` (rows never refused
+/// themselves, waiting behind their key's head), so the key flows again at
+/// once rather than at the next recheck. Safe however it races: the claim's
+/// head-of-key rule still holds back any row whose older rows remain.
+///
+/// The rows are locked first, waiting for a claim that holds them: every
+/// recheck, a claim locks a parked key's rows that came due, finds the dead
+/// letter (its snapshot is older than this statement's commit) and sets
+/// them aside again until the next recheck. Judged by this statement's
+/// snapshot, such a row is due, not set aside, and was left as it was; the
+/// claim then committed its recheck a `--retry-max` away. A lock taken
+/// after the wait reads the row as that claim left it.
 fn unhold_keys_of(schema: &str, source: &str) -> String {
     format!(
-        "unheld AS (UPDATE {schema}.messages SET next_attempt_at = now() \
+        "behind AS (SELECT seq, next_attempt_at FROM {schema}.messages \
            WHERE ordering_key IN (SELECT ordering_key FROM {source} WHERE ordering_key IS NOT NULL) \
-             AND attempts = 0 AND next_attempt_at > now() RETURNING 1)"
+             AND attempts = 0 AND next_attempt_at <> '-infinity' FOR UPDATE), \
+         unheld AS (UPDATE {schema}.messages AS m SET next_attempt_at = now() FROM behind \
+           WHERE m.seq = behind.seq AND behind.next_attempt_at > now() RETURNING 1)"
     )
 }
 

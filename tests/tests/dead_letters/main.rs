@@ -8,6 +8,7 @@ use outbox_tests::fast_settings;
 
 mod operator_cli;
 mod parking;
+mod races;
 mod retention;
 
 const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
