@@ -21,6 +21,11 @@ impl Queries {
         } else {
             "(SELECT NULL::bigint AS parked_from)".to_owned()
         };
+        // What the verdicts need of a locked row, without its headers or
+        // payload: the locking scans return each row whole otherwise, and
+        // their results are kept until the union reads them.
+        let columns = "seq, message_id, destination, ordering_key, routing_key, content_type, \
+                       event_type, created_at, attempts, octet_length(payload)::bigint AS size";
         Queries {
             // A claim is two round trips. The first (`lock`) runs the two
             // locking scans, each bounded by the batch size: fresh rows in
@@ -69,20 +74,17 @@ impl Queries {
             // descents like any other.
             lock: format!(
                 "WITH fresh AS ( \
-                    SELECT * FROM {t} \
+                    SELECT {columns} FROM {t} \
                     WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
                       AND seq >= $3 \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
-                    SELECT * FROM {t} \
+                    SELECT {columns} FROM {t} \
                     WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
                       AND partition = ANY($2::smallint[]) \
                     ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ) \
-                 SELECT c.seq, c.message_id, c.destination, c.ordering_key, c.routing_key, \
-                        c.content_type, c.event_type, c.created_at, c.attempts, \
-                        octet_length(c.payload)::bigint AS size \
-                 FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) c"
+                 SELECT * FROM fresh UNION ALL SELECT * FROM due"
             ),
             // Only keys with something found come back. A blocker's time is
             // returned only when it is finite: an in-flight fresh row's
