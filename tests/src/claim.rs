@@ -43,9 +43,9 @@ fn limits() -> ClaimLimits {
 }
 
 /// The claim's first statement, which locks the rows, with the same
-/// arguments.
+/// arguments (no other batch holding rows).
 fn lock_args(floor: i64) -> String {
-    format!("lock(500, {}, {floor})", partitions())
+    format!("lock(500, {}, {floor}, '{{}}'::bigint[])", partitions())
 }
 
 /// `items` as an SQL array literal of type `ty`.
@@ -95,7 +95,7 @@ impl ClaimSession {
         let prepared = queries.prepare(&client).await?;
         client
             .batch_execute(&format!(
-                "PREPARE lock(bigint, smallint[], bigint) AS {}; \
+                "PREPARE lock(bigint, smallint[], bigint, bigint[]) AS {}; \
                  PREPARE probe(text[], bigint[], bigint[], bigint) AS {}; \
                  PREPARE bodies(bigint[]) AS {}",
                 queries.lock_sql(),

@@ -8,8 +8,11 @@
 //! over an in-memory store with paused tokio time, so its scheduling (the
 //! pauses, the hand-offs, the deadlines) is tested without a database.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures::FutureExt;
@@ -171,6 +174,27 @@ pub(crate) struct PgStore {
     pg: Database,
     queries: Queries,
     hold_limit: Duration,
+    held: Arc<Held>,
+}
+
+/// The seqs the relay's batch transactions hold locked, by transaction:
+/// what a claim passes over by seq (see `claim::Queries::claim_beside`).
+/// A transaction's entry goes when its [`PgTx`] does, however it ends.
+#[derive(Debug, Default)]
+struct Held {
+    next: AtomicU64,
+    by_tx: Mutex<HashMap<u64, Vec<i64>>>,
+}
+
+impl Held {
+    fn by_tx(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Vec<i64>>> {
+        self.by_tx.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every seq held now.
+    fn all(&self) -> Vec<i64> {
+        self.by_tx().values().flatten().copied().collect()
+    }
 }
 
 impl PgStore {
@@ -180,6 +204,7 @@ impl PgStore {
             pg,
             queries,
             hold_limit,
+            held: Arc::default(),
         }
     }
 }
@@ -202,6 +227,8 @@ pub(crate) struct PgSession {
     bound: Duration,
     /// A round trip went unanswered: the session is given up.
     unanswered: bool,
+    /// The rows every session of the store holds locked.
+    held: Arc<Held>,
 }
 
 /// One batch's Postgres transaction.
@@ -226,6 +253,18 @@ pub(crate) struct PgTx<'a> {
     bound: Duration,
     /// The session's flag: set when a step went unanswered.
     unanswered: &'a mut bool,
+    /// Where this transaction's locked rows are listed, under `id`.
+    held: &'a Arc<Held>,
+    id: u64,
+}
+
+impl Drop for PgTx<'_> {
+    fn drop(&mut self) {
+        // Ended, or dropped and rolled back before the session's next
+        // statement: a later claim that passed over its rows would only
+        // wait for them one claim longer.
+        self.held.by_tx().remove(&self.id);
+    }
 }
 
 impl Store for PgStore {
@@ -249,6 +288,7 @@ impl Store for PgStore {
             dangling: false,
             bound: self.hold_limit,
             unanswered: false,
+            held: Arc::clone(&self.held),
         })
     }
 }
@@ -265,6 +305,8 @@ impl Session for PgSession {
             dangling: &mut self.dangling,
             bound: self.bound,
             unanswered: &mut self.unanswered,
+            held: &self.held,
+            id: self.held.next.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -343,7 +385,16 @@ impl BatchTx for PgTx<'_> {
         locked: impl FnOnce() + Send + 'a,
     ) -> Result<Claimed, StoreError> {
         let (q, client, prepared) = (self.queries, self.client, self.prepared);
-        let claim = q.claim(client, prepared, limits, partitions, floor, locked);
+        // Taken under the claim lock: every claim before this one has
+        // listed what it locked.
+        let mine = self.held.all();
+        let (held, id) = (Arc::clone(self.held), self.id);
+        let claim = q.claim_beside(client, prepared, limits, partitions, floor, &mine, {
+            move |seqs| {
+                held.by_tx().entry(id).or_default().extend(seqs);
+                locked()
+            }
+        });
         self.run(claim).await
     }
 

@@ -477,3 +477,104 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
     client.batch_execute("ROLLBACK").await.expect("rollback");
     db.cleanup().await;
 }
+
+/// A claim beside the relay's other batches passes over the rows they hold
+/// by seq instead of trying each one's lock (README, and the comment on the
+/// claim's `lock` statement): it must take exactly what a claim that tries
+/// the locks takes, tell `locked` what it locked, and a seq listed after
+/// its row was released must cost that row one claim, not more.
+#[tokio::test]
+async fn a_claim_beside_held_rows_takes_what_trying_their_locks_would() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    enqueue(&db, 0, 1_500).await;
+    let queries = Queries::new(&db.schema, true, false);
+    let (first, first_prepared) = relay_transaction(&db, &queries).await;
+    let (second, second_prepared) = relay_transaction(&db, &queries).await;
+    let (third, third_prepared) = relay_transaction(&db, &queries).await;
+    let limits = batch_limits();
+    let partitions = all_partitions();
+    let seqs = |c: outbox_relay::source::claim::Claimed| -> Vec<i64> {
+        c.batch.iter().map(|e| e.seq).collect()
+    };
+    // The first batch holds the oldest 500.
+    let mut held = Vec::new();
+    let a = queries
+        .claim_beside(&first, &first_prepared, &limits, &partitions, 0, &[], |s| {
+            held = s
+        })
+        .await
+        .expect("first claim");
+    let a = seqs(a);
+    assert_eq!(held, a, "locked is told the rows the claim locked");
+    // Beside it, listed: the next 500, as a claim trying the locks takes.
+    let b = queries
+        .claim_beside(
+            &second,
+            &second_prepared,
+            &limits,
+            &partitions,
+            0,
+            &held,
+            |_| {},
+        )
+        .await
+        .expect("second claim");
+    second.batch_execute("ROLLBACK").await.expect("rollback");
+    second.batch_execute("BEGIN").await.expect("begin");
+    let tried = queries
+        .claim(&second, &second_prepared, &limits, &partitions, 0, || {})
+        .await
+        .expect("claim trying the locks");
+    second.batch_execute("ROLLBACK").await.expect("rollback");
+    let (b, tried) = (seqs(b), seqs(tried));
+    assert_eq!(
+        b, tried,
+        "passing over the held rows took other rows than trying their locks"
+    );
+    assert_eq!(
+        b.first(),
+        Some(&(a[a.len() - 1] + 1)),
+        "the next rows after the held ones"
+    );
+    // The first batch ends, its rows released unpublished, while they are
+    // still listed: that claim passes over them, the next one takes them.
+    first.batch_execute("ROLLBACK").await.expect("rollback");
+    let stale = queries
+        .claim_beside(
+            &third,
+            &third_prepared,
+            &limits,
+            &partitions,
+            0,
+            &held,
+            |_| {},
+        )
+        .await
+        .expect("claim with a stale list");
+    assert!(
+        !seqs(stale).iter().any(|s| held.contains(s)),
+        "rows listed as held were taken"
+    );
+    third.batch_execute("ROLLBACK").await.expect("rollback");
+    third.batch_execute("BEGIN").await.expect("begin");
+    let again = queries
+        .claim_beside(
+            &third,
+            &third_prepared,
+            &limits,
+            &partitions,
+            0,
+            &[],
+            |_| {},
+        )
+        .await
+        .expect("claim once the list is gone");
+    assert_eq!(
+        seqs(again),
+        a,
+        "the released rows are taken once no longer listed"
+    );
+    drop((first, second, third));
+    db.cleanup().await;
+}

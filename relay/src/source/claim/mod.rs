@@ -101,7 +101,8 @@ impl Queries {
     }
 
     /// The claim's first statement, which locks its rows, for EXPLAIN.
-    /// Its parameters: rows, partitions (`smallint[]`), floor.
+    /// Its parameters: rows, partitions (`smallint[]`), floor, and the seqs
+    /// other batches hold locked (`bigint[]`).
     pub fn lock_sql(&self) -> &str {
         &self.lock
     }
@@ -136,7 +137,10 @@ impl Queries {
             .batch_execute("SET enable_bitmapscan = off; SET enable_seqscan = off")
             .await?;
         let lock = client
-            .prepare_typed(&self.lock, &[Type::INT8, Type::INT2_ARRAY, Type::INT8])
+            .prepare_typed(
+                &self.lock,
+                &[Type::INT8, Type::INT2_ARRAY, Type::INT8, Type::INT8_ARRAY],
+            )
             .await?;
         let probe = client
             .prepare_typed(
@@ -194,10 +198,31 @@ impl Queries {
         floor: i64,
         locked: impl FnOnce(),
     ) -> Result<Claimed, tokio_postgres::Error> {
+        self.claim_beside(tx, prepared, limits, partitions, floor, &[], |_| locked())
+            .await
+    }
+
+    /// [`Queries::claim`], beside other batches of the relay's that hold
+    /// the rows `mine` locked: the claim passes over them by seq instead of
+    /// trying each one's lock. `locked` is given the seqs this claim locked.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn claim_beside(
+        &self,
+        tx: &Client,
+        prepared: &Prepared,
+        limits: &ClaimLimits,
+        partitions: &[i16],
+        floor: i64,
+        mine: &[i64],
+        locked: impl FnOnce(Vec<i64>),
+    ) -> Result<Claimed, tokio_postgres::Error> {
         let rows = tx
-            .query(&prepared.lock, &[&limits.rows, &partitions, &floor])
+            .query(&prepared.lock, &[&limits.rows, &partitions, &floor, &mine])
             .await;
-        locked();
+        locked(match &rows {
+            Ok(rows) => rows.iter().filter_map(|r| r.try_get("seq").ok()).collect(),
+            Err(_) => Vec::new(),
+        });
         let heads = Heads::from_rows(&rows?, limits)?;
         if heads.rows.is_empty() {
             return Ok(Claimed::default());
