@@ -191,11 +191,22 @@ impl Held {
         self.by_tx.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Every seq held now.
-    fn all(&self) -> Vec<i64> {
-        self.by_tx().values().flatten().copied().collect()
+    /// The oldest `most` seqs held now: the fresh scan meets them first.
+    fn oldest(&self, most: usize) -> Vec<i64> {
+        let mut seqs: Vec<i64> = self.by_tx().values().flatten().copied().collect();
+        if seqs.len() > most {
+            seqs.sort_unstable();
+            seqs.truncate(most);
+        }
+        seqs
     }
 }
+
+/// How many held seqs a claim passes over at most: (pipeline + 1) claims
+/// of two default batches each are 4,000. Past that (batches of thousands,
+/// a long pipeline) the list would cost more to send and hash than the
+/// lock attempts it saves; the rest are tried and skipped as before.
+const HELD_PASSED_OVER: usize = 10_000;
 
 impl PgStore {
     /// Sessions to `pg`, set up for `hold_limit` (see [`super::connect`]).
@@ -387,7 +398,7 @@ impl BatchTx for PgTx<'_> {
         let (q, client, prepared) = (self.queries, self.client, self.prepared);
         // Taken under the claim lock: every claim before this one has
         // listed what it locked.
-        let mine = self.held.all();
+        let mine = self.held.oldest(HELD_PASSED_OVER);
         let (held, id) = (Arc::clone(self.held), self.id);
         let claim = q.claim_beside(client, prepared, limits, partitions, floor, &mine, {
             move |seqs| {
@@ -465,5 +476,23 @@ impl BatchTx for PgTx<'_> {
             let _ = self.client.batch_execute("ROLLBACK").now_or_never();
         }
         *self.dangling = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_passes_over_the_oldest_held_rows_up_to_a_bound() {
+        let held = Held::default();
+        held.by_tx().insert(1, vec![30, 10, 20]);
+        held.by_tx().insert(2, vec![5, 40]);
+        let mut all = held.oldest(100);
+        all.sort_unstable();
+        assert_eq!(all, vec![5, 10, 20, 30, 40]);
+        assert_eq!(held.oldest(3), vec![5, 10, 20]);
+        held.by_tx().remove(&1);
+        assert_eq!(held.oldest(3), vec![5, 40]);
     }
 }
