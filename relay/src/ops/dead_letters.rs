@@ -260,8 +260,8 @@ pub async fn pause(
 ///
 /// The rows are locked before they are brought back, waiting for a batch
 /// that holds them: a claim that found the destination still paused sets
-/// them aside until the next recheck (as behind a dead letter, see `discard`), and a batch
-/// claimed before the pause finishes publishing.
+/// them aside until the next recheck (as behind a dead letter, see
+/// `discard`), and a batch claimed before the pause finishes publishing.
 pub async fn resume(
     client: &Client,
     schema: &SchemaName,

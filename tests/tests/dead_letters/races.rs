@@ -136,13 +136,22 @@ async fn parked_key(db: &TestDb) -> i64 {
     later
 }
 
-#[tokio::test]
-async fn a_discard_while_a_claim_sets_the_parked_rows_aside_still_brings_them_back() {
+/// What the operator does to key `k`'s dead letter.
+#[derive(Clone, Copy, Debug)]
+enum Command {
+    Discard,
+    Retry,
+}
+
+/// Runs `command` on key `k`'s dead letter while a claim holds the parked
+/// row that came due, lets the claim set it aside, then asserts the row is
+/// due now.
+async fn parked_row_comes_back_after(command: Command) {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let later = parked_key(&db).await;
     let claim = claim_locking(&db, later).await;
-    let discard = {
+    let run = {
         let (config, schema) = (db.config.clone(), db.schema.clone());
         tokio::spawn(async move {
             let client = connect(&config).await;
@@ -150,44 +159,34 @@ async fn a_discard_while_a_claim_sets_the_parked_rows_aside_still_brings_them_ba
                 key: Some("k".into()),
                 ..Filter::default()
             };
-            ops::discard(&client, &schema, &filter).await
+            match command {
+                Command::Discard => ops::discard(&client, &schema, &filter).await,
+                Command::Retry => ops::retry(&client, &schema, &filter).await,
+            }
         })
     };
-    finished_or_waiting(&db, &discard).await;
+    finished_or_waiting(&db, &run).await;
     claim_sets_aside(&db, &claim, later).await;
-    assert_eq!(discard.await.expect("joined").expect("discard"), 1);
+    assert_eq!(
+        run.await.expect("joined").expect("command"),
+        1,
+        "{command:?}"
+    );
     assert!(
         due_now(&db, later).await,
-        "the parked row stayed set aside after its key's dead letter was discarded"
+        "the parked row stayed set aside after its key's dead letter went ({command:?})"
     );
     db.cleanup().await;
 }
 
 #[tokio::test]
+async fn a_discard_while_a_claim_sets_the_parked_rows_aside_still_brings_them_back() {
+    parked_row_comes_back_after(Command::Discard).await;
+}
+
+#[tokio::test]
 async fn a_retry_while_a_claim_sets_the_parked_rows_aside_still_brings_them_back() {
-    outbox_tests::init_logging();
-    let db = TestDb::new().await;
-    let later = parked_key(&db).await;
-    let claim = claim_locking(&db, later).await;
-    let retry = {
-        let (config, schema) = (db.config.clone(), db.schema.clone());
-        tokio::spawn(async move {
-            let client = connect(&config).await;
-            let filter = Filter {
-                key: Some("k".into()),
-                ..Filter::default()
-            };
-            ops::retry(&client, &schema, &filter).await
-        })
-    };
-    finished_or_waiting(&db, &retry).await;
-    claim_sets_aside(&db, &claim, later).await;
-    assert_eq!(retry.await.expect("joined").expect("retry"), 1);
-    assert!(
-        due_now(&db, later).await,
-        "the parked row stayed set aside after its key's dead letter was retried"
-    );
-    db.cleanup().await;
+    parked_row_comes_back_after(Command::Retry).await;
 }
 
 #[tokio::test]
