@@ -30,6 +30,14 @@ pub enum Error {
         /// The configured limit in bytes.
         limit: usize,
     },
+    /// The ordering key is longer than [`crate::MAX_ORDERING_KEY_BYTES`].
+    #[error("ordering key of {size} bytes exceeds the limit of {limit} bytes")]
+    OrderingKeyTooLong {
+        /// Key size in bytes (UTF-8).
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
     /// The schema name is not a plain lowercase SQL identifier.
     #[error(
         "invalid schema name {name:?}: use 1 to 63 of a-z, 0-9 and _, not starting with a digit"
@@ -140,6 +148,7 @@ impl Error {
             Error::EmptyDestination
                 | Error::InvalidHeaderName { .. }
                 | Error::PayloadTooLarge { .. }
+                | Error::OrderingKeyTooLong { .. }
                 | Error::InvalidSchemaName { .. }
                 | Error::EmptyKey { .. }
                 | Error::Serialize(_)

@@ -98,6 +98,13 @@ pub use schema::SchemaName;
 /// to the dead letters.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 960 * 1024;
 
+/// The longest ordering key the outbox takes: 2,048 bytes of UTF-8. The key
+/// is indexed with the row's seq, and a Postgres btree entry holds at most
+/// 2,704 bytes of a value that does not compress, so a longer limit would let
+/// some keys through and refuse others of the same length. Migration V18
+/// holds `enqueue()` and plain INSERTs to the same limit.
+pub const MAX_ORDERING_KEY_BYTES: usize = 2048;
+
 /// Writes messages to one outbox schema. Cheap to clone; build one at start-up.
 #[derive(Debug, Clone)]
 pub struct Outbox {

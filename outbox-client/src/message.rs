@@ -4,7 +4,7 @@ use std::fmt;
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::Error;
+use crate::{Error, MAX_ORDERING_KEY_BYTES};
 
 /// The stable id of one outbox message, stamped on every publish attempt.
 ///
@@ -120,7 +120,8 @@ pub struct MessageBuilder {
 impl MessageBuilder {
     /// The ordering key: messages with the same key are delivered in commit order
     /// (given that the writers of one key serialize, e.g. by locking the aggregate
-    /// row before enqueueing). On Kafka it is also the record key.
+    /// row before enqueueing). On Kafka it is also the record key. At most
+    /// [`MAX_ORDERING_KEY_BYTES`] bytes.
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.message.key = Some(key.into());
         self
@@ -200,6 +201,14 @@ impl MessageBuilder {
         if self.message.event_type.as_deref() == Some("") {
             return Err(Error::EmptyKey { what: "event type" });
         }
+        if let Some(key) = &self.message.key {
+            if key.len() > MAX_ORDERING_KEY_BYTES {
+                return Err(Error::OrderingKeyTooLong {
+                    size: key.len(),
+                    limit: MAX_ORDERING_KEY_BYTES,
+                });
+            }
+        }
         let mut message = self.message;
         if message.content_type.is_none() {
             message.content_type = Some("application/octet-stream".to_owned());
@@ -255,6 +264,23 @@ mod tests {
                 Err(Error::InvalidHeaderName { name, .. }) => assert_eq!(name, bad),
                 other => panic!("{bad:?} gave {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn a_key_over_the_limit_is_rejected_and_one_at_it_kept() {
+        let at = "k".repeat(MAX_ORDERING_KEY_BYTES);
+        let m = Message::builder("d")
+            .key(at.as_str())
+            .build()
+            .expect("valid");
+        assert_eq!(m.key(), Some(at.as_str()));
+        // The limit counts bytes: 1,025 two-byte characters are 2,050 bytes.
+        match Message::builder("d").key("é".repeat(1_025)).build() {
+            Err(Error::OrderingKeyTooLong { size: 2_050, limit }) => {
+                assert_eq!(limit, MAX_ORDERING_KEY_BYTES)
+            }
+            other => panic!("expected OrderingKeyTooLong, got {other:?}"),
         }
     }
 

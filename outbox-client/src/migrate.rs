@@ -76,6 +76,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V17__replica_silent_partitions",
         include_str!("../../migrations/V17__replica_silent_partitions.sql"),
     ),
+    (
+        "V18__ordering_key_limit",
+        include_str!("../../migrations/V18__ordering_key_limit.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

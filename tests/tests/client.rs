@@ -2,6 +2,7 @@
 
 use outbox_client::{Error, Message, MessageId, Outbox};
 use outbox_tests::db::{TestDb, NEVER_EQUAL_TEXT};
+use tokio_postgres::error::SqlState;
 
 fn msg(dest: &str) -> Message {
     Message::builder(dest)
@@ -147,6 +148,108 @@ async fn bad_input_is_a_typed_error_and_the_transaction_survives() {
         .expect("valid enqueue after errors");
     tx.commit().await.expect("commit");
     assert_eq!(db.pending().await, 1);
+    db.cleanup().await;
+}
+
+/// `size` bytes of hex digits from random UUIDs: a key that does not
+/// compress, as a hash or an encrypted id would not.
+fn random_key(size: usize) -> String {
+    let mut key = String::with_capacity(size + 32);
+    while key.len() < size {
+        key.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    }
+    key.truncate(size);
+    key
+}
+
+/// A row's ordering key is indexed with its seq, and a Postgres btree entry
+/// holds at most 2,704 bytes of a value that does not compress. A random key
+/// of 2,700 bytes came back as a bare "database error" that aborted the
+/// caller's transaction. The outbox takes keys of up to 2,048 bytes: a longer
+/// one is refused before any SQL is sent, naming its size, and one of 2,048
+/// bytes that does not compress is stored.
+#[tokio::test]
+async fn an_ordering_key_over_the_limit_is_refused_by_name_and_one_at_it_is_stored() {
+    let mut db = TestDb::new().await;
+    let outbox = db.outbox();
+    let tx = db.client.transaction().await.expect("begin");
+    for size in [2_049, 2_700, 100_000] {
+        let err = match Message::builder("d")
+            .key(random_key(size))
+            .payload("p")
+            .build()
+        {
+            Ok(m) => outbox
+                .enqueue(&tx, &m)
+                .await
+                .expect_err(&format!("a key of {size} bytes is refused")),
+            Err(e) => e,
+        };
+        assert!(err.is_invalid_input(), "{size}: {err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!("ordering key of {size} bytes exceeds the limit of 2048 bytes")
+        );
+    }
+    let at = random_key(2_048);
+    let m = Message::builder("d").key(at.clone()).payload("p").build();
+    outbox
+        .enqueue(&tx, &m.expect("a key at the limit is valid"))
+        .await
+        .expect("a key at the limit is stored, after the refusals");
+    tx.commit().await.expect("commit");
+    let stored: Vec<String> = db
+        .column(&format!("SELECT ordering_key FROM {}", db.table()))
+        .await;
+    assert_eq!(stored, [at]);
+    db.cleanup().await;
+}
+
+/// Writers in other languages are held to the same limit. `enqueue()`
+/// refuses a longer key as it refuses its other bad input (SQLSTATE 22023,
+/// "outbox: ..."), and a plain INSERT is refused by the table's check
+/// constraint, which names it; neither writes anything.
+#[tokio::test]
+async fn sql_writers_are_held_to_the_ordering_key_limit_by_name() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    let enqueue = format!("SELECT {s}.enqueue('d', 'p'::bytea, key => $1)");
+    let insert = format!(
+        "INSERT INTO {s}.messages (destination, ordering_key, payload) VALUES ('d', $1, 'p')"
+    );
+    let over = random_key(2_049);
+
+    let refused = db
+        .client
+        .query_one(&enqueue, &[&over])
+        .await
+        .expect_err("enqueue() refuses a key over the limit");
+    let refused = refused.as_db_error().expect("a database error");
+    assert_eq!(refused.code(), &SqlState::INVALID_PARAMETER_VALUE);
+    assert_eq!(
+        refused.message(),
+        "outbox: ordering key of 2049 bytes exceeds the limit of 2048 bytes"
+    );
+    let refused = db
+        .client
+        .execute(&insert, &[&over])
+        .await
+        .expect_err("the table refuses a key over the limit");
+    let refused = refused.as_db_error().expect("a database error");
+    assert_eq!(refused.code(), &SqlState::CHECK_VIOLATION);
+    assert_eq!(refused.constraint(), Some("messages_ordering_key_length"));
+    assert_eq!(db.pending().await, 0);
+
+    let at = random_key(2_048);
+    db.client
+        .query_one(&enqueue, &[&at])
+        .await
+        .expect("enqueue at the limit");
+    db.client
+        .execute(&insert, &[&at])
+        .await
+        .expect("insert at the limit");
+    assert_eq!(db.pending().await, 2);
     db.cleanup().await;
 }
 
