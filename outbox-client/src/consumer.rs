@@ -82,9 +82,11 @@ pub trait Handler<M: ?Sized>: Sync {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumeError<E> {
-    /// The delivery carries no message id, so it cannot be deduplicated; it was
-    /// settled according to the consumer's missing-id policy.
-    #[error("delivery has no message id")]
+    /// The delivery carries no usable message id (none, an empty one, or one
+    /// with a NUL character, which Postgres text cannot store; on Kafka also one
+    /// that is not UTF-8), so it cannot be deduplicated; it was settled
+    /// according to the consumer's missing-id policy.
+    #[error("delivery has no usable message id")]
     MissingMessageId,
     /// The inbox check, the transaction or its commit failed; the transaction
     /// was rolled back and the message will be delivered again.
@@ -104,6 +106,12 @@ pub enum ConsumeError<E> {
     #[cfg(feature = "kafka")]
     #[error("kafka call failed")]
     Kafka(#[source] rdkafka::error::KafkaError),
+}
+
+/// Whether a delivery's message id can be recorded in the inbox: not empty,
+/// and storable as Postgres text.
+pub(crate) fn usable_id(id: &str) -> bool {
+    !id.is_empty() && !id.contains('\0')
 }
 
 impl<E> ConsumeError<E> {

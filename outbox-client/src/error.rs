@@ -30,6 +30,12 @@ pub enum Error {
         /// The configured limit in bytes.
         limit: usize,
     },
+    /// A text field holds a NUL character, which Postgres text cannot store.
+    #[error("{what} contains a NUL character")]
+    ContainsNul {
+        /// Which field, e.g. "ordering key".
+        what: &'static str,
+    },
     /// The ordering key is longer than [`crate::MAX_ORDERING_KEY_BYTES`].
     #[error("ordering key of {size} bytes exceeds the limit of {limit} bytes")]
     OrderingKeyTooLong {
@@ -149,6 +155,7 @@ impl Error {
                 | Error::InvalidHeaderName { .. }
                 | Error::PayloadTooLarge { .. }
                 | Error::OrderingKeyTooLong { .. }
+                | Error::ContainsNul { .. }
                 | Error::InvalidSchemaName { .. }
                 | Error::EmptyKey { .. }
                 | Error::Serialize(_)

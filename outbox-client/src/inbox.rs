@@ -189,9 +189,12 @@ pub async fn process_once(
         .await
 }
 
+/// A key must be non-empty, and storable as Postgres text (no NUL).
 pub(crate) fn check_key(what: &'static str, value: &str) -> Result<(), Error> {
     if value.is_empty() {
         Err(Error::EmptyKey { what })
+    } else if value.contains('\0') {
+        Err(Error::ContainsNul { what })
     } else {
         Ok(())
     }

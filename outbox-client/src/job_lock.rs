@@ -58,8 +58,6 @@ use futures::FutureExt;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{Client, Config, NoTls, Socket};
 
-use crate::inbox::check_key;
-
 /// What went wrong around the job (the job's own result is returned in
 /// [`Exclusive::Ran`]).
 #[derive(Debug, thiserror::Error)]
@@ -147,7 +145,9 @@ where
     F: FnOnce(Lease) -> Fut,
     Fut: Future<Output = T>,
 {
-    check_key("job name", name).map_err(|_| JobLockError::EmptyName)?;
+    if name.is_empty() {
+        return Err(JobLockError::EmptyName);
+    }
     let (client, connection) = config
         .connect(tls.clone())
         .await

@@ -201,6 +201,20 @@ impl MessageBuilder {
         if self.message.event_type.as_deref() == Some("") {
             return Err(Error::EmptyKey { what: "event type" });
         }
+        let m = &self.message;
+        let text = [
+            ("destination", Some(&m.destination)),
+            ("ordering key", m.key.as_ref()),
+            ("routing key", Some(&m.routing_key)),
+            ("content type", m.content_type.as_ref()),
+            ("event type", m.event_type.as_ref()),
+        ];
+        let values = m.headers.values().map(|v| ("header value", Some(v)));
+        for (what, value) in text.into_iter().chain(values) {
+            if value.is_some_and(|v| v.contains('\0')) {
+                return Err(Error::ContainsNul { what });
+            }
+        }
         if let Some(key) = &self.message.key {
             if key.len() > MAX_ORDERING_KEY_BYTES {
                 return Err(Error::OrderingKeyTooLong {
@@ -265,6 +279,27 @@ mod tests {
                 other => panic!("{bad:?} gave {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_nul_character_is_named_by_its_field() {
+        let cases = [
+            ("destination", Message::builder("\0")),
+            ("ordering key", Message::builder("d").key("\0")),
+            ("routing key", Message::builder("d").routing_key("a\0")),
+            ("header value", Message::builder("d").header("h", "\0v")),
+            ("content type", Message::builder("d").content_type("\0")),
+            ("event type", Message::builder("d").event_type("e\0")),
+        ];
+        for (field, builder) in cases {
+            match builder.build() {
+                Err(Error::ContainsNul { what }) => assert_eq!(what, field),
+                other => panic!("{field}: expected ContainsNul, got {other:?}"),
+            }
+        }
+        // Anywhere else a NUL is plain data.
+        let m = Message::builder("d").payload("\0").build().expect("valid");
+        assert_eq!(m.payload(), b"\0");
     }
 
     #[test]

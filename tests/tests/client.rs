@@ -253,6 +253,47 @@ async fn sql_writers_are_held_to_the_ordering_key_limit_by_name() {
     db.cleanup().await;
 }
 
+/// Postgres text cannot hold a NUL character, and jsonb refuses `\u0000`.
+/// A Rust string can hold one, and a NUL in any of a message's text fields
+/// came back as a bare "database error" that aborted the caller's
+/// transaction. Each is now refused before any SQL is sent, naming the
+/// field, and the transaction goes on to commit a valid message.
+#[tokio::test]
+async fn a_nul_character_in_any_text_field_is_refused_by_name_before_any_sql() {
+    let mut db = TestDb::new().await;
+    let outbox = db.outbox();
+    let tx = db.client.transaction().await.expect("begin");
+    let with_nul = [
+        ("destination", Message::builder("d\0")),
+        ("ordering key", Message::builder("d").key("k\0")),
+        ("routing key", Message::builder("d").routing_key("r\0")),
+        ("header value", Message::builder("d").header("h", "v\0")),
+        (
+            "content type",
+            Message::builder("d").content_type("text/plain\0"),
+        ),
+        ("event type", Message::builder("d").event_type("e\0")),
+    ];
+    for (field, builder) in with_nul {
+        let err = match builder.payload("p").build() {
+            Ok(m) => outbox
+                .enqueue(&tx, &m)
+                .await
+                .expect_err(&format!("a NUL in the {field} is refused")),
+            Err(e) => e,
+        };
+        assert!(err.is_invalid_input(), "{field}: {err:?}");
+        assert_eq!(err.to_string(), format!("{field} contains a NUL character"));
+    }
+    outbox
+        .enqueue(&tx, &msg("d"))
+        .await
+        .expect("a valid enqueue after the refusals");
+    tx.commit().await.expect("commit");
+    assert_eq!(db.pending().await, 1);
+    db.cleanup().await;
+}
+
 #[tokio::test]
 async fn missing_schema_is_named() {
     let db = TestDb::new().await;

@@ -25,7 +25,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio_postgres::Client;
 
-use super::{apply_once, ConsumeError, Handler};
+use super::{apply_once, usable_id, ConsumeError, Handler};
 use crate::inbox::{check_key, Arrival, Inbox};
 use crate::Error;
 
@@ -99,13 +99,13 @@ impl AmqpInbox {
             .message_id()
             .as_ref()
             .map(|s| s.as_str())
-            .filter(|s| !s.is_empty());
+            .filter(|s| usable_id(s));
         let Some(message_id) = message_id else {
             tracing::warn!(
                 consumer = %self.consumer,
                 routing_key = %delivery.routing_key,
                 policy = ?self.missing_id,
-                "delivery without message id"
+                "delivery without a usable message id"
             );
             match self.missing_id {
                 MissingIdPolicy::Reject => delivery

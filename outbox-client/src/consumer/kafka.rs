@@ -40,7 +40,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_postgres::Client;
 
-use super::{apply_once, ConsumeError, Handler};
+use super::{apply_once, usable_id, ConsumeError, Handler};
 use crate::inbox::{check_key, Arrival, Inbox};
 use crate::Error;
 
@@ -145,7 +145,7 @@ impl KafkaInbox {
                 .find(|h| h.key == MESSAGE_ID_HEADER)
                 .and_then(|h| h.value)
                 .and_then(|v| std::str::from_utf8(v).ok())
-                .filter(|v| !v.is_empty())
+                .filter(|v| usable_id(v))
                 .map(str::to_owned)
         });
         let Some(message_id) = message_id else {
@@ -155,7 +155,7 @@ impl KafkaInbox {
                 partition = record.partition(),
                 offset = record.offset(),
                 policy = ?self.missing_id,
-                "record without message id"
+                "record without a usable message id"
             );
             match self.missing_id {
                 MissingIdPolicy::Skip => self.commit(consumer, record)?,

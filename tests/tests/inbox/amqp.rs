@@ -288,8 +288,11 @@ async fn handler_error_means_redelivery_not_ack() {
     scene.finish().await;
 }
 
-/// A delivery without a message id is a clear error, and the dead-letter
-/// policy sends it to the queue's dead-letter exchange instead of requeueing.
+/// A delivery without a usable message id is a clear error, and the
+/// dead-letter policy sends it to the queue's dead-letter exchange instead of
+/// requeueing. An id that holds a NUL character cannot be recorded (Postgres
+/// text cannot store one): it was requeued on every delivery, forever, and
+/// now goes the same way as a missing one.
 #[tokio::test]
 async fn missing_message_id_is_dead_lettered() {
     let dlq = unique("dlq");
@@ -305,21 +308,31 @@ async fn missing_message_id_is_dead_lettered() {
     let scene = Scene::new(args).await;
     declare_queue(&scene.setup_ch, &dlq, FieldTable::default()).await;
     publish(&scene.queue, "anonymous", None, 1).await;
+    publish(&scene.queue, "nul-id", Some("m\0"), 1).await;
 
     let inbox = AmqpInbox::new(Inbox::with_schema(scene.db.schema.clone()), "counter")
         .expect("consumer")
         .missing_id(MissingIdPolicy::DeadLetter);
     let mut consumer = scene.consumer(1).await;
-    let d = consumer.next("delivery").await;
     let handler = CountEffect::new(&scene.effects);
-    let result = inbox.handle(&mut consumer.client, &d, &handler).await;
-    assert!(matches!(result, Err(ConsumeError::MissingMessageId)));
-    assert!(
-        eventually(PATIENCE, || async { queue_depth(&dlq).await == 1 }).await,
-        "not dead-lettered"
-    );
+    for (depth, what) in [
+        (1, "delivery without an id"),
+        (2, "delivery with a NUL in its id"),
+    ] {
+        let d = consumer.next(what).await;
+        let result = inbox.handle(&mut consumer.client, &d, &handler).await;
+        assert!(
+            matches!(result, Err(ConsumeError::MissingMessageId)),
+            "{what}: {result:?}"
+        );
+        assert!(
+            eventually(PATIENCE, || async { queue_depth(&dlq).await == depth }).await,
+            "{what}: not dead-lettered"
+        );
+    }
     consumer.close().await;
     assert_eq!(scene.applied("anonymous").await, 0);
+    assert_eq!(scene.applied("nul-id").await, 0);
     delete_queue(&dlq).await;
     // The queue itself is empty: the delivery was not requeued.
     scene.finish().await;

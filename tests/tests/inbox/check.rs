@@ -6,6 +6,33 @@ use std::time::Duration;
 use outbox_client::inbox::{Arrival, Inbox};
 use outbox_tests::db::TestDb;
 
+/// A message id comes from whoever published the message, and a foreign
+/// publisher may put a NUL character in it, which Postgres text cannot
+/// store. That came back as a bare "database error" that aborted the
+/// consumer's transaction, and with it the effect the transaction held. It
+/// is now refused before any SQL, naming the field, and the transaction goes
+/// on.
+#[tokio::test]
+async fn a_nul_in_a_message_id_is_refused_by_name_and_the_transaction_goes_on() {
+    let mut db = TestDb::new().await;
+    let inbox = Inbox::with_schema(db.schema.clone());
+    let tx = db.client.transaction().await.expect("tx");
+    for (consumer, id, field) in [("c", "m\0", "message id"), ("c\0", "m", "consumer name")] {
+        let err = inbox
+            .process_once(&tx, consumer, id)
+            .await
+            .expect_err("a NUL is refused");
+        assert!(err.is_invalid_input(), "{err:?}");
+        assert_eq!(err.to_string(), format!("{field} contains a NUL character"));
+    }
+    assert_eq!(
+        inbox.process_once(&tx, "c", "m").await.expect("check"),
+        Arrival::New
+    );
+    tx.commit().await.expect("commit");
+    db.cleanup().await;
+}
+
 /// The inbox check alone: first New, then Duplicate, and a rolled-back record
 /// leaves the id unseen.
 #[tokio::test]
