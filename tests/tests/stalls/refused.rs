@@ -220,6 +220,67 @@ async fn a_message_over_the_brokers_size_limit_fails_alone() {
     db.cleanup().await;
 }
 
+/// A message's properties and headers travel in one AMQP frame, which may
+/// not exceed the frame size the connection negotiated (128 KiB on RabbitMQ
+/// by default); only the body is split across frames. RabbitMQ closes the
+/// connection on a larger one (FRAME_ERROR, frame_too_large). Before the
+/// fix a row with 300 KiB of headers did that on every attempt, each
+/// counted as an outage: nothing was published, by any key, and the row was
+/// never dead-lettered. It must fail alone, go to the dead letters with its
+/// reason, and let everything else through, each message once.
+#[tokio::test]
+async fn headers_larger_than_a_frame_fail_alone() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let mut msgs = Vec::new();
+    for i in 0..200u32 {
+        let mut b = Message::builder(rabbit.exchange.as_str())
+            .key(format!("k{}", i % 7))
+            .payload(i.to_be_bytes().to_vec());
+        if i == 50 {
+            b = b.header("big", "x".repeat(300 * 1024));
+        }
+        msgs.push(b.build().expect("valid"));
+    }
+    db.outbox()
+        .enqueue_batch(&db.client, &msgs)
+        .await
+        .expect("enqueue");
+    let relay = InProcessRelay::amqp(
+        &db,
+        outbox_relay::Settings {
+            park_on_dead_letter: false,
+            ..fast_settings()
+        },
+    );
+    let drained = eventually(Duration::from_secs(60), || async {
+        db.pending().await == 0
+    })
+    .await;
+    assert!(
+        drained,
+        "the outbox never drained past the oversized headers"
+    );
+    let reasons: Vec<String> = db
+        .column(&format!(
+            "SELECT last_error FROM {}.dead_letters",
+            db.schema.quoted()
+        ))
+        .await;
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert!(
+        reasons[0].contains("frame size"),
+        "the reason names the frame size: {reasons:?}"
+    );
+    let seen = tally(&rabbit);
+    assert_eq!(seen.len(), 199, "every other message arrives");
+    assert!(seen.values().all(|n| *n == 1), "each once: {seen:?}");
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
 /// Kafka: a record librdkafka refuses locally (over `message.max.bytes`)
 /// holds back its key like a broker refusal. Before the fix the loop queued
 /// the key's next records in the same batch, which overtook it.

@@ -28,7 +28,9 @@ use super::cloudevents::CloudEvents;
 use super::pace::Pace;
 use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
 use link::{Broker, Prepared};
-use wire::{correlate, correlate_cut, properties, size_limit_from, Answer, Returned};
+use wire::{
+    check_header_frame, correlate, correlate_cut, properties, size_limit_from, Answer, Returned,
+};
 
 mod link;
 mod wire;
@@ -231,9 +233,10 @@ impl Publisher for AmqpPublisher {
                     ShortString::try_new(exchange),
                     ShortString::try_new(env.routing_key.as_str()),
                 ) {
-                    (Ok(x), Ok(rk)) => {
-                        properties(env, self.cloudevents.as_ref()).map(|p| (x, rk, p))
-                    }
+                    (Ok(x), Ok(rk)) => properties(env, self.cloudevents.as_ref()).and_then(|p| {
+                        check_header_frame(&p, connection.configuration().frame_max())?;
+                        Ok((x, rk, p))
+                    }),
                     _ => Err(Rejection::permanent(
                         "exchange or routing key exceeds 255 bytes",
                     )),

@@ -63,6 +63,41 @@ pub(super) fn properties(
     Ok(props)
 }
 
+/// A message's properties and headers travel in one content header frame,
+/// which may not exceed the connection's negotiated frame size (`frame_max`,
+/// 128 KiB on RabbitMQ by default); only the body is split across frames.
+/// RabbitMQ closes the whole connection on a larger one (FRAME_ERROR), so a
+/// message whose header frame would not fit is refused here, for good.
+pub(super) fn check_header_frame(props: &BasicProperties, frame_max: u32) -> Result<(), Rejection> {
+    // A frame's 8 bytes of framing, then class id, weight and body size.
+    let room = (frame_max as usize).saturating_sub(8 + 12);
+    // Every header `properties` sets is a long string: 1 + name, a type
+    // byte, 4 + value. The other properties (flags, message id, delivery
+    // mode, timestamp, content type of at most 255 bytes) take under 1 KiB.
+    let bound = props.headers().as_ref().map_or(0, |h| {
+        h.inner()
+            .iter()
+            .map(|(name, value)| match value {
+                AMQPValue::LongString(v) => 6 + name.as_str().len() + v.as_bytes().len(),
+                _ => usize::MAX / 2,
+            })
+            .fold(4, usize::saturating_add)
+    });
+    if bound.saturating_add(1024) <= room {
+        return Ok(());
+    }
+    // Near or over the limit: measure with lapin's own serializer.
+    let size =
+        cookie_factory::gen_simple(lapin::protocol::basic::gen_properties(props), Vec::new())
+            .map_or(usize::MAX, |v| v.len());
+    if size <= room {
+        return Ok(());
+    }
+    Err(Rejection::permanent(format!(
+        "properties and headers of {size} bytes exceed the connection's frame size of {frame_max} bytes (rabbitmq's frame_max): only a body may span frames"
+    )))
+}
+
 /// What the broker said about one published message, as lapin delivered it.
 #[derive(Debug)]
 pub(super) enum Answer {
@@ -187,6 +222,41 @@ pub(super) fn size_limit_from(error: &lapin::Error) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn with_header(len: usize) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("h"),
+            AMQPValue::LongString(LongString::from(vec![b'x'; len])),
+        );
+        BasicProperties::default()
+            .with_message_id(uuid::Uuid::nil().to_string().into())
+            .with_delivery_mode(2)
+            .with_timestamp(1)
+            .with_headers(headers)
+    }
+
+    #[test]
+    fn a_header_frame_fits_up_to_the_frame_size_and_not_a_byte_more() {
+        let frame_max = 4096;
+        let size = |p: &BasicProperties| {
+            cookie_factory::gen_simple(lapin::protocol::basic::gen_properties(p), Vec::new())
+                .expect("serializes")
+                .len()
+        };
+        // Grow the header until its frame is exactly full.
+        let base = size(&with_header(0));
+        let fill = frame_max as usize - 8 - 12 - base;
+        assert_eq!(size(&with_header(fill)), frame_max as usize - 20);
+        assert!(check_header_frame(&with_header(fill), frame_max).is_ok());
+        let over =
+            check_header_frame(&with_header(fill + 1), frame_max).expect_err("one byte over");
+        assert!(over.permanent, "{over:?}");
+        assert!(over.reason.contains("frame size of 4096 bytes"), "{over:?}");
+        // Far below the limit the bound alone decides; far above, too.
+        assert!(check_header_frame(&with_header(10), 131_072).is_ok());
+        assert!(check_header_frame(&with_header(300 * 1024), 131_072).is_err());
+    }
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
 
