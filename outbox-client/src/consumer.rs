@@ -82,10 +82,11 @@ pub trait Handler<M: ?Sized>: Sync {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumeError<E> {
-    /// The delivery carries no usable message id (none, an empty one, or one
-    /// with a NUL character, which Postgres text cannot store; on Kafka also one
-    /// that is not UTF-8), so it cannot be deduplicated; it was settled
-    /// according to the consumer's missing-id policy.
+    /// The delivery carries no usable message id (none, an empty one, one
+    /// with a NUL character, which Postgres text cannot store, or one over
+    /// [`crate::MAX_KEY_BYTES`]; on Kafka also one that is not UTF-8), so it
+    /// cannot be deduplicated; it was settled according to the consumer's
+    /// missing-id policy.
     #[error("delivery has no usable message id")]
     MissingMessageId,
     /// The inbox check, the transaction or its commit failed; the transaction
@@ -108,10 +109,10 @@ pub enum ConsumeError<E> {
     Kafka(#[source] rdkafka::error::KafkaError),
 }
 
-/// Whether a delivery's message id can be recorded in the inbox: not empty,
-/// and storable as Postgres text.
+/// Whether a delivery's message id can be recorded in the inbox: what
+/// [`crate::inbox::check_key`] accepts.
 pub(crate) fn usable_id(id: &str) -> bool {
-    !id.is_empty() && !id.contains('\0')
+    crate::inbox::check_key("message id", id).is_ok()
 }
 
 impl<E> ConsumeError<E> {

@@ -36,6 +36,17 @@ pub enum Error {
         /// Which field, e.g. "ordering key".
         what: &'static str,
     },
+    /// A key of the inbox, a checkpoint or a send-once notification is longer
+    /// than [`crate::MAX_KEY_BYTES`].
+    #[error("{what} of {size} bytes exceeds the limit of {limit} bytes")]
+    KeyTooLong {
+        /// Which key, e.g. "message id".
+        what: &'static str,
+        /// Its size in bytes (UTF-8).
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
     /// The ordering key is longer than [`crate::MAX_ORDERING_KEY_BYTES`].
     #[error("ordering key of {size} bytes exceeds the limit of {limit} bytes")]
     OrderingKeyTooLong {
@@ -156,6 +167,7 @@ impl Error {
                 | Error::PayloadTooLarge { .. }
                 | Error::OrderingKeyTooLong { .. }
                 | Error::ContainsNul { .. }
+                | Error::KeyTooLong { .. }
                 | Error::InvalidSchemaName { .. }
                 | Error::EmptyKey { .. }
                 | Error::Serialize(_)

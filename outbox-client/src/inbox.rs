@@ -61,7 +61,7 @@ use std::time::Duration;
 
 use tokio_postgres::{GenericClient, Transaction};
 
-use crate::{Error, SchemaName};
+use crate::{Error, SchemaName, MAX_KEY_BYTES};
 
 /// Whether a delivery arrives for the first time or again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -189,12 +189,19 @@ pub async fn process_once(
         .await
 }
 
-/// A key must be non-empty, and storable as Postgres text (no NUL).
+/// A key must be non-empty, storable as Postgres text (no NUL), and within
+/// [`MAX_KEY_BYTES`] so that its table's index can hold it.
 pub(crate) fn check_key(what: &'static str, value: &str) -> Result<(), Error> {
     if value.is_empty() {
         Err(Error::EmptyKey { what })
     } else if value.contains('\0') {
         Err(Error::ContainsNul { what })
+    } else if value.len() > MAX_KEY_BYTES {
+        Err(Error::KeyTooLong {
+            what,
+            size: value.len(),
+            limit: MAX_KEY_BYTES,
+        })
     } else {
         Ok(())
     }

@@ -105,6 +105,15 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 960 * 1024;
 /// holds `enqueue()` and plain INSERTs to the same limit.
 pub const MAX_ORDERING_KEY_BYTES: usize = 2048;
 
+/// The longest key the consumer-side tables take, in bytes of UTF-8: a
+/// consumer name and a message id in the inbox, a checkpoint's job name, a
+/// send-once notification's recipient, kind and period. Each table indexes
+/// its keys together, and a Postgres btree entry holds at most 2,704 bytes
+/// of keys that do not compress; three keys of 512 bytes leave room. The
+/// consumers settle a delivered message id over the limit like a missing
+/// one (it cannot be recorded).
+pub const MAX_KEY_BYTES: usize = 512;
+
 /// Writes messages to one outbox schema. Cheap to clone; build one at start-up.
 #[derive(Debug, Clone)]
 pub struct Outbox {

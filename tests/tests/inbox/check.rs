@@ -33,6 +33,51 @@ async fn a_nul_in_a_message_id_is_refused_by_name_and_the_transaction_goes_on() 
     db.cleanup().await;
 }
 
+/// The inbox keys a record by (consumer, message id), and a Postgres btree
+/// entry holds at most 2,704 bytes of a key that does not compress. A
+/// foreign producer's id of 3,000 bytes came back as a bare "database
+/// error" that aborted the consumer's transaction. Keys of the inbox (and
+/// of checkpoints and send-once notifications) are limited to 512 bytes,
+/// refused by name before any SQL; one of 512 bytes is recorded.
+#[tokio::test]
+async fn an_inbox_key_over_the_limit_is_refused_by_name_and_one_at_it_recorded() {
+    let mut db = TestDb::new().await;
+    let inbox = Inbox::with_schema(db.schema.clone());
+    let tx = db.client.transaction().await.expect("tx");
+    let hex = |n: usize| -> String {
+        let mut s = String::new();
+        while s.len() < n {
+            s.push_str(&uuid::Uuid::new_v4().simple().to_string());
+        }
+        s.truncate(n);
+        s
+    };
+    for (consumer, id, field, size) in [
+        ("c".to_owned(), hex(513), "message id", 513),
+        ("c".to_owned(), hex(3_000), "message id", 3_000),
+        (hex(600), "m".to_owned(), "consumer name", 600),
+    ] {
+        let err = inbox
+            .process_once(&tx, &consumer, &id)
+            .await
+            .expect_err("a key over the limit is refused");
+        assert!(err.is_invalid_input(), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!("{field} of {size} bytes exceeds the limit of 512 bytes")
+        );
+    }
+    assert_eq!(
+        inbox
+            .process_once(&tx, &hex(512), &hex(512))
+            .await
+            .expect("check"),
+        Arrival::New
+    );
+    tx.commit().await.expect("commit");
+    db.cleanup().await;
+}
+
 /// The inbox check alone: first New, then Duplicate, and a rolled-back record
 /// leaves the id unseen.
 #[tokio::test]

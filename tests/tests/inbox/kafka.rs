@@ -131,3 +131,96 @@ async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
     );
     db.cleanup().await;
 }
+
+/// Kafka carries the message id in a header of any length. An id the inbox
+/// cannot record (3,000 bytes, over its 512-byte keys) failed the inbox
+/// insert on every read: the consumer sought back to it and read it again,
+/// forever, and the partition behind it never moved. It is now unusable like
+/// a missing id, settled by the missing-id policy (here: skipped), and the
+/// next record is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_an_id_too_long_to_record_is_settled_like_a_missing_one() {
+    use outbox_client::consumer::kafka::{KafkaInbox, MissingIdPolicy};
+    use outbox_client::consumer::ConsumeError;
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let brokers = outbox_tests::kafka_brokers();
+    let db = TestDb::new().await;
+    let effects = create_effects(&db).await;
+    let topic = unique("t");
+    outbox_tests::kafka::create_topic(&brokers, &topic, 1).await;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .expect("producer");
+    let long_id: String = (0..100)
+        .map(|_| uuid::Uuid::new_v4().simple().to_string())
+        .collect::<String>()[..3_000]
+        .to_owned();
+    let fine_id = uuid::Uuid::now_v7().to_string();
+    for (payload, id) in [("too-long", &long_id), ("fine", &fine_id)] {
+        producer
+            .send(
+                FutureRecord::to(&topic).payload(payload).key("k").headers(
+                    OwnedHeaders::new().insert(Header {
+                        key: "message-id",
+                        value: Some(id.as_str()),
+                    }),
+                ),
+                Duration::from_secs(30),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
+    }
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", unique("g"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&topic, 0, Offset::Stored)
+        .expect("partition");
+    consumer.assign(&tpl).expect("assign");
+    let inbox = KafkaInbox::new(Inbox::with_schema(db.schema.clone()), "counter")
+        .expect("consumer")
+        .missing_id(MissingIdPolicy::Skip);
+    let handler = CountRecord {
+        table: effects.clone(),
+    };
+    let mut client = connect(&db.config).await;
+    let mut outcomes = Vec::new();
+    for _ in 0..2 {
+        let record = tokio::time::timeout(PATIENCE, consumer.recv())
+            .await
+            .expect("record in time")
+            .expect("record");
+        let payload = {
+            use rdkafka::Message as _;
+            String::from_utf8_lossy(record.payload().unwrap_or_default()).into_owned()
+        };
+        let outcome = inbox
+            .handle(&mut client, &consumer, &record, &handler)
+            .await;
+        outcomes.push((payload, outcome));
+    }
+    assert!(
+        matches!(
+            &outcomes[0],
+            (p, Err(ConsumeError::MissingMessageId)) if p == "too-long"
+        ),
+        "{outcomes:?}"
+    );
+    assert!(
+        matches!(&outcomes[1], (p, Ok(Arrival::New)) if p == "fine"),
+        "the next record is read and applied: {outcomes:?}"
+    );
+    assert_eq!(applied(&db, &effects, "fine").await, 1);
+    assert_eq!(applied(&db, &effects, "too-long").await, 0);
+    db.cleanup().await;
+}
