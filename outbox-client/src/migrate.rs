@@ -80,6 +80,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V18__ordering_key_limit",
         include_str!("../../migrations/V18__ordering_key_limit.sql"),
     ),
+    (
+        "V19__inbox_key_limit",
+        include_str!("../../migrations/V19__inbox_key_limit.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -78,6 +78,49 @@ async fn an_inbox_key_over_the_limit_is_refused_by_name_and_one_at_it_recorded()
     db.cleanup().await;
 }
 
+/// Consumers in other languages call `inbox_process_once()`, which holds
+/// them to the same 512 bytes: a longer id is refused with SQLSTATE 22023
+/// and a message naming its size, like `enqueue()`'s refusals, instead of
+/// Postgres's error about an index row; one at the limit is recorded.
+#[tokio::test]
+async fn the_sql_inbox_check_refuses_a_key_over_the_limit_by_name() {
+    let db = TestDb::new().await;
+    let f = format!("{}.inbox_process_once", db.schema.quoted());
+    let sql = format!("SELECT {f}($1, $2)");
+    for (consumer, id, expected) in [
+        (
+            "c".to_owned(),
+            "m".repeat(513),
+            "outbox: message id of 513 bytes exceeds the limit of 512 bytes",
+        ),
+        (
+            "c".repeat(600),
+            "m".to_owned(),
+            "outbox: consumer name of 600 bytes exceeds the limit of 512 bytes",
+        ),
+    ] {
+        let refused = db
+            .client
+            .query_one(&sql, &[&consumer, &id])
+            .await
+            .expect_err("a key over the limit is refused");
+        let refused = refused.as_db_error().expect("a database error");
+        assert_eq!(
+            refused.code(),
+            &tokio_postgres::error::SqlState::INVALID_PARAMETER_VALUE
+        );
+        assert_eq!(refused.message(), expected);
+    }
+    let first: bool = db
+        .client
+        .query_one(&sql, &[&"c".repeat(512), &"m".repeat(512)])
+        .await
+        .expect("keys at the limit")
+        .get(0);
+    assert!(first);
+    db.cleanup().await;
+}
+
 /// The inbox check alone: first New, then Duplicate, and a rolled-back record
 /// leaves the id unseen.
 #[tokio::test]
