@@ -63,6 +63,17 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// `size` bytes of random hex digits: a key that does not compress, as a
+/// hash or an encrypted id would not, to test limits set by an index.
+pub fn random_hex(size: usize) -> String {
+    let mut key = String::with_capacity(size + 32);
+    while key.len() < size {
+        key.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    }
+    key.truncate(size);
+    key
+}
+
 /// `n` envelopes for `destination`, as a claim would hand them to a
 /// publisher: sequence numbers from 0, ordering keys `k0`..`k{keys-1}` in
 /// turn, the sequence number as the payload.

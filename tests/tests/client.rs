@@ -2,6 +2,7 @@
 
 use outbox_client::{Error, Message, MessageId, Outbox};
 use outbox_tests::db::{TestDb, NEVER_EQUAL_TEXT};
+use outbox_tests::random_hex;
 use tokio_postgres::error::SqlState;
 
 fn msg(dest: &str) -> Message {
@@ -151,17 +152,6 @@ async fn bad_input_is_a_typed_error_and_the_transaction_survives() {
     db.cleanup().await;
 }
 
-/// `size` bytes of hex digits from random UUIDs: a key that does not
-/// compress, as a hash or an encrypted id would not.
-fn random_key(size: usize) -> String {
-    let mut key = String::with_capacity(size + 32);
-    while key.len() < size {
-        key.push_str(&uuid::Uuid::new_v4().simple().to_string());
-    }
-    key.truncate(size);
-    key
-}
-
 /// A row's ordering key is indexed with its seq, and a Postgres btree entry
 /// holds at most 2,704 bytes of a value that does not compress. A random key
 /// of 2,700 bytes came back as a bare "database error" that aborted the
@@ -175,7 +165,7 @@ async fn an_ordering_key_over_the_limit_is_refused_by_name_and_one_at_it_is_stor
     let tx = db.client.transaction().await.expect("begin");
     for size in [2_049, 2_700, 100_000] {
         let err = match Message::builder("d")
-            .key(random_key(size))
+            .key(random_hex(size))
             .payload("p")
             .build()
         {
@@ -191,7 +181,7 @@ async fn an_ordering_key_over_the_limit_is_refused_by_name_and_one_at_it_is_stor
             format!("ordering key of {size} bytes exceeds the limit of 2048 bytes")
         );
     }
-    let at = random_key(2_048);
+    let at = random_hex(2_048);
     let m = Message::builder("d").key(at.clone()).payload("p").build();
     outbox
         .enqueue(&tx, &m.expect("a key at the limit is valid"))
@@ -217,7 +207,7 @@ async fn sql_writers_are_held_to_the_ordering_key_limit_by_name() {
     let insert = format!(
         "INSERT INTO {s}.messages (destination, ordering_key, payload) VALUES ('d', $1, 'p')"
     );
-    let over = random_key(2_049);
+    let over = random_hex(2_049);
 
     let refused = db
         .client
@@ -240,7 +230,7 @@ async fn sql_writers_are_held_to_the_ordering_key_limit_by_name() {
     assert_eq!(refused.constraint(), Some("messages_ordering_key_length"));
     assert_eq!(db.pending().await, 0);
 
-    let at = random_key(2_048);
+    let at = random_hex(2_048);
     db.client
         .query_one(&enqueue, &[&at])
         .await

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use outbox_client::inbox::{Arrival, Inbox};
 use outbox_tests::db::TestDb;
+use outbox_tests::random_hex;
 
 /// A message id comes from whoever published the message, and a foreign
 /// publisher may put a NUL character in it, which Postgres text cannot
@@ -44,18 +45,10 @@ async fn an_inbox_key_over_the_limit_is_refused_by_name_and_one_at_it_recorded()
     let mut db = TestDb::new().await;
     let inbox = Inbox::with_schema(db.schema.clone());
     let tx = db.client.transaction().await.expect("tx");
-    let hex = |n: usize| -> String {
-        let mut s = String::new();
-        while s.len() < n {
-            s.push_str(&uuid::Uuid::new_v4().simple().to_string());
-        }
-        s.truncate(n);
-        s
-    };
     for (consumer, id, field, size) in [
-        ("c".to_owned(), hex(513), "message id", 513),
-        ("c".to_owned(), hex(3_000), "message id", 3_000),
-        (hex(600), "m".to_owned(), "consumer name", 600),
+        ("c".to_owned(), random_hex(513), "message id", 513),
+        ("c".to_owned(), random_hex(3_000), "message id", 3_000),
+        (random_hex(600), "m".to_owned(), "consumer name", 600),
     ] {
         let err = inbox
             .process_once(&tx, &consumer, &id)
@@ -69,7 +62,7 @@ async fn an_inbox_key_over_the_limit_is_refused_by_name_and_one_at_it_recorded()
     }
     assert_eq!(
         inbox
-            .process_once(&tx, &hex(512), &hex(512))
+            .process_once(&tx, &random_hex(512), &random_hex(512))
             .await
             .expect("check"),
         Arrival::New

@@ -1,5 +1,6 @@
 //! The Kafka consumer helper: a crash between the effect's commit and the
-//! offset commit is recognized by the group's next consumer.
+//! offset commit is recognized by the group's next consumer, and a record
+//! whose id cannot be recorded does not hold the partition.
 
 use std::time::Duration;
 
@@ -7,6 +8,8 @@ use outbox_client::consumer::{apply_once, Handler};
 use outbox_client::inbox::{Arrival, Inbox};
 use outbox_tests::db::{connect, TestDb};
 use outbox_tests::unique;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::{Offset, TopicPartitionList};
 use tokio_postgres::Transaction;
 
 use super::{applied, apply_effect, create_effects, PATIENCE};
@@ -28,57 +31,65 @@ impl<'a> Handler<rdkafka::message::BorrowedMessage<'a>> for CountRecord {
     }
 }
 
+/// Produces `records`, each a payload and its `message-id` header, to
+/// `topic` (one partition) with key "k", in order.
+async fn produce_with_ids(brokers: &str, topic: &str, records: &[(&str, &str)]) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("producer");
+    for (payload, id) in records {
+        producer
+            .send(
+                FutureRecord::to(topic).payload(*payload).key("k").headers(
+                    OwnedHeaders::new().insert(Header {
+                        key: "message-id",
+                        value: Some(*id),
+                    }),
+                ),
+                Duration::from_secs(30),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
+    }
+}
+
+/// A consumer of `group` without auto-commit, assigned partition 0 of
+/// `topic` from the group's stored offset (the earliest without one).
+fn assigned_consumer(brokers: &str, topic: &str, group: &str) -> StreamConsumer {
+    let c: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Stored)
+        .expect("partition");
+    c.assign(&tpl).expect("assign");
+    c
+}
+
 /// Kafka: a consumer commits its effect and dies before committing the offset;
 /// the next consumer of the group reads the record again, recognizes it and
 /// commits the offset, and the effect is not repeated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
     use outbox_client::consumer::kafka::KafkaInbox;
-    use rdkafka::consumer::{Consumer, StreamConsumer};
-    use rdkafka::message::{Header, OwnedHeaders};
-    use rdkafka::producer::{FutureProducer, FutureRecord};
-    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
     let brokers = outbox_tests::kafka_brokers();
     let db = TestDb::new().await;
     let effects = create_effects(&db).await;
     let topic = unique("t");
     outbox_tests::kafka::create_topic(&brokers, &topic, 1).await;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .create()
-        .expect("producer");
     let message_id = uuid::Uuid::now_v7().to_string();
-    producer
-        .send(
-            FutureRecord::to(&topic)
-                .payload("k-crash")
-                .key("k")
-                .headers(OwnedHeaders::new().insert(Header {
-                    key: "message-id",
-                    value: Some(message_id.as_str()),
-                })),
-            Duration::from_secs(30),
-        )
-        .await
-        .map_err(|(e, _)| e)
-        .expect("produce");
-
+    produce_with_ids(&brokers, &topic, &[("k-crash", &message_id)]).await;
     let group = unique("g");
-    let new_consumer = || {
-        let c: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .create()
-            .expect("consumer");
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, 0, Offset::Stored)
-            .expect("partition");
-        c.assign(&tpl).expect("assign");
-        c
-    };
+    let new_consumer = || assigned_consumer(&brokers, &topic, &group);
     let inbox = Inbox::with_schema(db.schema.clone());
     let handler = CountRecord {
         table: effects.clone(),
@@ -142,51 +153,21 @@ async fn kafka_crash_between_commit_and_offset_commit_is_recognized() {
 async fn kafka_an_id_too_long_to_record_is_settled_like_a_missing_one() {
     use outbox_client::consumer::kafka::{KafkaInbox, MissingIdPolicy};
     use outbox_client::consumer::ConsumeError;
-    use rdkafka::consumer::{Consumer, StreamConsumer};
-    use rdkafka::message::{Header, OwnedHeaders};
-    use rdkafka::producer::{FutureProducer, FutureRecord};
-    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
     let brokers = outbox_tests::kafka_brokers();
     let db = TestDb::new().await;
     let effects = create_effects(&db).await;
     let topic = unique("t");
     outbox_tests::kafka::create_topic(&brokers, &topic, 1).await;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .create()
-        .expect("producer");
-    let long_id: String = (0..100)
-        .map(|_| uuid::Uuid::new_v4().simple().to_string())
-        .collect::<String>()[..3_000]
-        .to_owned();
+    let long_id = outbox_tests::random_hex(3_000);
     let fine_id = uuid::Uuid::now_v7().to_string();
-    for (payload, id) in [("too-long", &long_id), ("fine", &fine_id)] {
-        producer
-            .send(
-                FutureRecord::to(&topic).payload(payload).key("k").headers(
-                    OwnedHeaders::new().insert(Header {
-                        key: "message-id",
-                        value: Some(id.as_str()),
-                    }),
-                ),
-                Duration::from_secs(30),
-            )
-            .await
-            .map_err(|(e, _)| e)
-            .expect("produce");
-    }
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .set("group.id", unique("g"))
-        .set("enable.auto.commit", "false")
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .expect("consumer");
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&topic, 0, Offset::Stored)
-        .expect("partition");
-    consumer.assign(&tpl).expect("assign");
+    produce_with_ids(
+        &brokers,
+        &topic,
+        &[("too-long", &long_id), ("fine", &fine_id)],
+    )
+    .await;
+    let consumer = assigned_consumer(&brokers, &topic, &unique("g"));
     let inbox = KafkaInbox::new(Inbox::with_schema(db.schema.clone()), "counter")
         .expect("consumer")
         .missing_id(MissingIdPolicy::Skip);

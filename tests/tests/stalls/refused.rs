@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
-use outbox_client::Message;
+use outbox_client::{Message, MessageBuilder};
 use outbox_relay::publish::amqp::{AmqpPublisher, AmqpSettings};
 use outbox_relay::publish::{Envelope, Publisher};
 use outbox_tests::amqp::{self, Fixture};
@@ -166,6 +166,40 @@ async fn the_size_limit_is_learned_when_the_channel_closes_mid_batch() {
     rabbit.cleanup().await;
 }
 
+/// 200 messages of 4 bytes over 7 keys for `exchange`, the 51st made too
+/// large by `oversize`.
+fn two_hundred_with_one_too_large(
+    exchange: &str,
+    oversize: impl Fn(MessageBuilder) -> MessageBuilder,
+) -> Vec<Message> {
+    (0..200u32)
+        .map(|i| {
+            let b = Message::builder(exchange)
+                .key(format!("k{}", i % 7))
+                .payload(i.to_be_bytes().to_vec());
+            let b = if i == 50 { oversize(b) } else { b };
+            b.build().expect("valid")
+        })
+        .collect()
+}
+
+/// Starts a relay that does not park keys and waits up to a minute for the
+/// outbox to empty; returns the relay and whether it emptied.
+async fn drain_without_parking(db: &TestDb) -> (InProcessRelay, bool) {
+    let relay = InProcessRelay::amqp(
+        db,
+        outbox_relay::Settings {
+            park_on_dead_letter: false,
+            ..fast_settings()
+        },
+    );
+    let drained = eventually(Duration::from_secs(60), || async {
+        db.pending().await == 0
+    })
+    .await;
+    (relay, drained)
+}
+
 /// A message over the broker's `max_message_size` closes the channel under
 /// the whole batch. Before the fix that was an outage forever: the rest of
 /// the batch repeated and the message was never dead-lettered. It must fail
@@ -176,37 +210,15 @@ async fn a_message_over_the_brokers_size_limit_fails_alone() {
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
     let limit = LowLimit::set().await;
-    let outbox = db.outbox().max_payload_bytes(4 * 1024 * 1024);
-    let mut msgs = Vec::new();
-    for i in 0..200u32 {
-        let payload = if i == 50 {
-            vec![b'z'; 2 * 1024 * 1024]
-        } else {
-            i.to_be_bytes().to_vec()
-        };
-        msgs.push(
-            Message::builder(rabbit.exchange.as_str())
-                .key(format!("k{}", i % 7))
-                .payload(payload)
-                .build()
-                .expect("valid"),
-        );
-    }
-    outbox
+    let msgs = two_hundred_with_one_too_large(&rabbit.exchange, |b| {
+        b.payload(vec![b'z'; 2 * 1024 * 1024])
+    });
+    db.outbox()
+        .max_payload_bytes(4 * 1024 * 1024)
         .enqueue_batch(&db.client, &msgs)
         .await
         .expect("enqueue");
-    let relay = InProcessRelay::amqp(
-        &db,
-        outbox_relay::Settings {
-            park_on_dead_letter: false,
-            ..fast_settings()
-        },
-    );
-    let drained = eventually(Duration::from_secs(60), || async {
-        db.pending().await == 0
-    })
-    .await;
+    let (relay, drained) = drain_without_parking(&db).await;
     limit.restore().await;
     assert!(
         drained,
@@ -233,31 +245,14 @@ async fn headers_larger_than_a_frame_fail_alone() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
-    let mut msgs = Vec::new();
-    for i in 0..200u32 {
-        let mut b = Message::builder(rabbit.exchange.as_str())
-            .key(format!("k{}", i % 7))
-            .payload(i.to_be_bytes().to_vec());
-        if i == 50 {
-            b = b.header("big", "x".repeat(300 * 1024));
-        }
-        msgs.push(b.build().expect("valid"));
-    }
+    let msgs = two_hundred_with_one_too_large(&rabbit.exchange, |b| {
+        b.header("big", "x".repeat(300 * 1024))
+    });
     db.outbox()
         .enqueue_batch(&db.client, &msgs)
         .await
         .expect("enqueue");
-    let relay = InProcessRelay::amqp(
-        &db,
-        outbox_relay::Settings {
-            park_on_dead_letter: false,
-            ..fast_settings()
-        },
-    );
-    let drained = eventually(Duration::from_secs(60), || async {
-        db.pending().await == 0
-    })
-    .await;
+    let (relay, drained) = drain_without_parking(&db).await;
     assert!(
         drained,
         "the outbox never drained past the oversized headers"
