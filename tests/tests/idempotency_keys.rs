@@ -463,3 +463,42 @@ async fn a_huge_ttl_is_capped_rather_than_overflowing_the_timestamp() {
     assert!((99.0..=101.0).contains(&years), "{years} years");
     db.cleanup().await;
 }
+
+/// A scope is the caller's to build, often from a request's path, and the
+/// table indexes it with the key: a btree entry holds at most 2,704 bytes of
+/// keys that do not compress. A scope of 3,000 bytes came back as a bare
+/// "database error" that aborted the caller's transaction. Scopes of up to
+/// 1,024 bytes are taken; a longer one, or one with a NUL character, is
+/// refused by name before any SQL, and the transaction goes on.
+#[tokio::test]
+async fn a_scope_the_table_cannot_hold_is_refused_by_name_before_any_sql() {
+    let mut db = TestDb::new().await;
+    let idempotency = Idempotency::with_schema(db.schema.clone());
+    let tx = db.client.transaction().await.expect("begin");
+    let k = key("k");
+    for (scope, expected) in [
+        (
+            outbox_tests::random_hex(3_000),
+            "idempotency scope of 3000 bytes exceeds the limit of 1024 bytes",
+        ),
+        (
+            "user:1\0 POST /effects".to_owned(),
+            "idempotency scope contains a NUL character",
+        ),
+    ] {
+        let err = idempotency
+            .begin(&tx, &scope, &k, &fp("x"))
+            .await
+            .expect_err("refused");
+        assert!(err.is_invalid_input(), "{err:?}");
+        assert_eq!(err.to_string(), expected);
+    }
+    let at = outbox_tests::random_hex(1_024);
+    let begun = idempotency
+        .begin(&tx, &at, &k, &fp("x"))
+        .await
+        .expect("a scope at the limit, after the refusals");
+    assert!(matches!(begun, Begin::New(_)), "{begun:?}");
+    tx.rollback().await.expect("rollback");
+    db.cleanup().await;
+}

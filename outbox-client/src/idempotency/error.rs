@@ -19,6 +19,18 @@ pub enum Error {
     /// The scope is empty.
     #[error("idempotency scope is empty")]
     EmptyScope,
+    /// The scope is longer than [`super::MAX_SCOPE_LEN`] bytes: the table
+    /// indexes it with the key.
+    #[error("idempotency scope of {size} bytes exceeds the limit of {limit} bytes")]
+    ScopeTooLong {
+        /// Its size in bytes (UTF-8).
+        size: usize,
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The scope holds a NUL character, which Postgres text cannot store.
+    #[error("idempotency scope contains a NUL character")]
+    ScopeContainsNul,
     /// The response to store has a status outside 100..=999.
     #[error("response status {status} is not a valid http status")]
     InvalidStatus {
@@ -79,6 +91,8 @@ impl Error {
             self,
             Error::InvalidKey { .. }
                 | Error::EmptyScope
+                | Error::ScopeTooLong { .. }
+                | Error::ScopeContainsNul
                 | Error::InvalidStatus { .. }
                 | Error::Schema(_)
         )

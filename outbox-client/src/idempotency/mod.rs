@@ -142,6 +142,12 @@ use tokio_postgres::{Client, GenericClient, Transaction};
 pub use error::Error;
 pub use key::{Fingerprint, IdempotencyKey, MAX_KEY_LEN};
 
+/// The longest scope [`Idempotency::begin`] takes, in bytes of UTF-8. The
+/// table indexes the scope with the key (at most [`MAX_KEY_LEN`]), and a
+/// Postgres btree entry holds at most 2,704 bytes of keys that do not
+/// compress.
+pub const MAX_SCOPE_LEN: usize = 1024;
+
 use crate::SchemaName;
 
 /// Default lifetime of a record: 24 hours.
@@ -443,6 +449,7 @@ impl Idempotency {
     /// effect; see the [module docs](self) for the states and the locking. On
     /// any answer other than [`Begin::New`] nothing was written and the caller
     /// should roll back (which also releases the key's advisory lock at once).
+    /// `scope` takes 1 to [`MAX_SCOPE_LEN`] bytes, without NUL characters.
     pub async fn begin(
         &self,
         client: &impl GenericClient,
@@ -452,6 +459,15 @@ impl Idempotency {
     ) -> Result<Begin, Error> {
         if scope.is_empty() {
             return Err(Error::EmptyScope);
+        }
+        if scope.len() > MAX_SCOPE_LEN {
+            return Err(Error::ScopeTooLong {
+                size: scope.len(),
+                limit: MAX_SCOPE_LEN,
+            });
+        }
+        if scope.contains('\0') {
+            return Err(Error::ScopeContainsNul);
         }
         if !self.lock(client, scope, key).await? {
             return Ok(Begin::InProgress {
