@@ -215,7 +215,7 @@ impl MessageBuilder {
                 return Err(Error::ContainsNul { what });
             }
         }
-        if let Some(key) = &self.message.key {
+        if let Some(key) = &m.key {
             if key.len() > MAX_ORDERING_KEY_BYTES {
                 return Err(Error::OrderingKeyTooLong {
                     size: key.len(),

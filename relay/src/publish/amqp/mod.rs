@@ -213,6 +213,8 @@ impl Publisher for AmqpPublisher {
         // Why a publish failed, which ends the sending: the rest of the batch
         // waits in the outbox for the next attempt.
         let mut failed = None;
+        // Negotiated once per connection; read once per batch, not per message.
+        let frame_max = connection.configuration().frame_max();
         for (i, env) in batch.iter().enumerate() {
             let key = env.ordering_key.as_deref();
             if key.is_some_and(|k| refused.contains(k)) {
@@ -234,7 +236,7 @@ impl Publisher for AmqpPublisher {
                     ShortString::try_new(env.routing_key.as_str()),
                 ) {
                     (Ok(x), Ok(rk)) => properties(env, self.cloudevents.as_ref()).and_then(|p| {
-                        check_header_frame(&p, connection.configuration().frame_max())?;
+                        check_header_frame(&p, frame_max)?;
                         Ok((x, rk, p))
                     }),
                     _ => Err(Rejection::permanent(
