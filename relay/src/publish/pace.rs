@@ -52,6 +52,27 @@ impl Pace {
         }
     }
 
+    /// A batch timed out whole, with nothing of its `sent` payload bytes
+    /// confirmed: later batches carry half of it, never more than the
+    /// limit already set. A link too slow to carry even the first answer
+    /// in time looks like this; so does a broker that stopped answering,
+    /// where smaller batches cost nothing. Without it, a batch the broker
+    /// confirms all at once (a Kafka partition's records, one produce
+    /// request) that the link cannot carry in time would be sent again as
+    /// large, and time out whole, forever.
+    pub fn timed_out_whole(&self, sent: usize, broker: &str) {
+        let bytes = (sent / 2).max(MIN_BYTES);
+        let before = self.bytes.load(Ordering::Relaxed);
+        if before == 0 || bytes < before {
+            self.bytes.store(bytes, Ordering::Relaxed);
+            tracing::warn!(
+                batch_bytes = bytes,
+                sent,
+                "{broker} confirmed none of a batch before it timed out; smaller batches until it keeps up"
+            );
+        }
+    }
+
     /// A batch went through whole in `took` of the `allowed` time: under a
     /// quarter of it, the limit grows by a quarter, and is lifted once past
     /// any batch the relay would claim.
@@ -97,5 +118,18 @@ mod tests {
             pace.speed_up(Duration::ZERO, SECOND);
         }
         assert_eq!(pace.limit(), None, "lifted once past any batch");
+    }
+
+    #[test]
+    fn a_batch_timed_out_whole_halves_what_was_sent_down_to_the_floor() {
+        let pace = Pace::default();
+        pace.timed_out_whole(400_000, "test");
+        assert_eq!(pace.limit(), Some(200_000));
+        pace.timed_out_whole(400_000, "test");
+        assert_eq!(pace.limit(), Some(200_000), "never raised");
+        pace.timed_out_whole(200_000, "test");
+        assert_eq!(pace.limit(), Some(100_000));
+        pace.timed_out_whole(0, "test");
+        assert_eq!(pace.limit(), Some(MIN_BYTES), "never below the floor");
     }
 }

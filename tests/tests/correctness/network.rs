@@ -147,6 +147,23 @@ async fn drain_while_slow(
     let relay = RelayProcess::start(RELAY_BIN, &env_via(&db, &sink, proxy, front));
     slow(proxy, true);
     let written = workload::spawn(&db, spec).await.expect("writers");
+    drained_while_slow(db, sink, proxy, relay, written, what, bound, started, slow).await;
+}
+
+/// Requires the outbox to drain while `proxy` stays slow, then lifts the
+/// slowness and judges the run against `bound` duplicates.
+#[allow(clippy::too_many_arguments)]
+async fn drained_while_slow(
+    db: TestDb,
+    sink: Sink,
+    proxy: &Proxy,
+    relay: RelayProcess,
+    written: workload::Written,
+    what: &str,
+    bound: usize,
+    started: Instant,
+    slow: impl Fn(&Proxy, bool),
+) {
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
     let left = db.pending().await;
     slow(proxy, false);
@@ -172,6 +189,52 @@ async fn s07_amqp_slow_link_to_the_broker() {
 async fn s07_kafka_slow_link_to_the_broker() {
     let (tansu, proxy, brokers) = tansu_behind_proxy().await;
     slow_link(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
+}
+
+/// Scenario 19: scenario 7's slow link in front of one hot key with its
+/// rows already waiting, so every batch is full and all of it is for one
+/// partition. On Kafka a partition's records travel in one produce request
+/// and are confirmed together: a full batch (100 messages of 4 KB, 4 s at
+/// the link's pace) times out whole, with nothing confirmed, every time it
+/// is sent. The relay must still find a batch size the link carries in
+/// time.
+async fn slow_link_hot_key(db: TestDb, sink: Sink, proxy: &Proxy) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let spec = Spec {
+        pad: 4_000,
+        ..Spec::new(sink.destination(), 1, 1, 600)
+    };
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+    let relay = RelayProcess::start(RELAY_BIN, &env_via(&db, &sink, proxy, Front::Broker));
+    proxy.throttle(SLOW_LINK);
+    let what = format!("link slowed to {SLOW_LINK} bytes/s, one hot key");
+    let bound = BATCH * (PIPELINE + 1);
+    drained_while_slow(
+        db,
+        sink,
+        proxy,
+        relay,
+        written,
+        &what,
+        bound,
+        started,
+        |p, on| p.throttle(if on { SLOW_LINK } else { 0 }),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn s19_amqp_slow_link_one_hot_key() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    slow_link_hot_key(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+#[tokio::test]
+async fn s19_kafka_slow_link_one_hot_key() {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    slow_link_hot_key(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
     tansu.stop().await;
 }
 
