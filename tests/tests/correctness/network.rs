@@ -238,6 +238,52 @@ async fn s19_kafka_slow_link_one_hot_key() {
     tansu.stop().await;
 }
 
+/// Scenario 20: scenario 7's slow link in front of a few hot keys, a
+/// seeded draw of 2-4 keys written by as many writers while the relay
+/// drains, at a seeded pace of 60-150 KB/s. With keys on two or three
+/// partitions, a partition whose share of a batch the link cannot carry
+/// in time times out while the others answer, which is how a partition
+/// without a leader looks; and once the others have drained, its records
+/// time out alone. Every key must still drain while the link stays slow.
+/// `OUTBOX_TEST_SEED` replays a run.
+async fn slow_link_few_hot_keys(db: TestDb, sink: Sink, proxy: &Proxy) {
+    use rand::SeedableRng;
+    let seed = outbox_tests::seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let keys = rng.random_range(2..=4);
+    let rate = rng.random_range(60_000..150_000);
+    let spec = Spec {
+        pad: 4_000,
+        ..Spec::new(sink.destination(), keys, keys, 600)
+    };
+    let what = format!("link slowed to {rate} bytes/s, {keys} hot keys");
+    let bound = BATCH * (PIPELINE + 1);
+    drain_while_slow(
+        db,
+        sink,
+        proxy,
+        Front::Broker,
+        spec,
+        &what,
+        bound,
+        |p, on| p.throttle(if on { rate } else { 0 }),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn s20_amqp_slow_link_few_hot_keys() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    slow_link_few_hot_keys(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+#[tokio::test]
+async fn s20_kafka_slow_link_few_hot_keys() {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    slow_link_few_hot_keys(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
+}
+
 /// How late every answer of the broker of scenario 14 arrives: a sixth of
 /// the confirm timeout (3 s).
 const SLOW_ANSWERS: Duration = Duration::from_millis(500);
