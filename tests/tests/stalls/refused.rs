@@ -82,8 +82,11 @@ async fn only_messages_before_the_refused_one_go_out(
     relay
 }
 
-/// Returns how many times each payload arrived.
-fn tally(rabbit: &Fixture) -> HashMap<Vec<u8>, usize> {
+/// How many times each payload arrived, once the consumer has at least `n`
+/// deliveries: a drained outbox says the broker confirmed every message,
+/// not that the consumer has read them yet.
+async fn tally(rabbit: &Fixture, n: usize) -> HashMap<Vec<u8>, usize> {
+    rabbit.expect_at_least(n, Duration::from_secs(30)).await;
     let mut seen = HashMap::new();
     for d in rabbit.deliveries() {
         *seen.entry(d.payload).or_default() += 1;
@@ -225,7 +228,7 @@ async fn a_message_over_the_brokers_size_limit_fails_alone() {
         "the outbox never drained past the oversized message"
     );
     assert_eq!(db.count("dead_letters").await, 1);
-    let seen = tally(&rabbit);
+    let seen = tally(&rabbit, 199).await;
     assert_eq!(seen.len(), 199, "every other message arrives");
     relay.stop().await;
     rabbit.cleanup().await;
@@ -268,7 +271,7 @@ async fn headers_larger_than_a_frame_fail_alone() {
         reasons[0].contains("frame size"),
         "the reason names the frame size: {reasons:?}"
     );
-    let seen = tally(&rabbit);
+    let seen = tally(&rabbit, 199).await;
     assert_eq!(seen.len(), 199, "every other message arrives");
     assert!(seen.values().all(|n| *n == 1), "each once: {seen:?}");
     relay.stop().await;
