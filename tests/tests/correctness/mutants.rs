@@ -13,6 +13,22 @@ use outbox_tests::workload::{self, Spec};
 
 use super::{env_for, spec, PATIENCE, RELAY_BIN};
 
+/// Waits until the consumer has received nothing for 2 s (for at most
+/// `PATIENCE`): a message missing then is lost, not late. A fixed sleep let
+/// a consumer running behind pass for a mutant's losses.
+async fn until_quiet(sink: &Sink) {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut before = sink.count();
+    while std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = sink.count();
+        if now == before {
+            return;
+        }
+        before = now;
+    }
+}
+
 /// Testing the tester: a relay that deletes rows before the broker confirms
 /// loses messages when the broker is unreachable, and the checker must say so.
 #[tokio::test]
@@ -31,7 +47,7 @@ async fn mutant_ack_before_confirm_is_caught() {
     proxy.set(Mode::Pass);
     let written = writers.await.expect("writers");
     assert!(eventually(PATIENCE, || async { db.pending().await == 0 }).await);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    until_quiet(&sink).await;
     let report = check(&written, &sink.seen());
     println!("mutant ack-before-confirm: {report}");
     assert!(
@@ -61,7 +77,8 @@ async fn mutant_watermark_is_caught() {
     };
     let written = workload::run(&db.config, &db.outbox(), &spec).await;
     // Let every row the mutant will ever publish arrive.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    until_quiet(&sink).await;
     let report = check(&written, &sink.seen());
     println!("mutant watermark: {report}");
     assert!(

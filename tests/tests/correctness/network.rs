@@ -465,9 +465,10 @@ impl LinkFault {
     }
 }
 
-/// Scenario 17: while writers write, the link to the broker goes through
-/// a seeded random run of the faults above, each held 1-4 s, with 0-2 s of
-/// a clear link between them, for 40 s; then it stays clear. Set-ups cut
+/// Scenario 17: while writers write to a seeded number of keys (1, 3 or
+/// 60), the link to the broker goes through a seeded random run of the
+/// faults above, each held 1-4 s, with 0-2 s of a clear link between them,
+/// for 40 s; then it stays clear. Set-ups cut
 /// short, connections dropped with batches in flight, and slow answers
 /// meet in orders no single scenario tries. Nothing may be lost or out of
 /// order, and each fault may repeat at most the batches then in flight.
@@ -479,9 +480,15 @@ async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy, front: Front) 
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let started = Instant::now();
     let relay = RelayProcess::start(RELAY_BIN, &env_via(&db, &sink, proxy, front));
-    // Paced to write for about as long as the faults last.
+    // The keys' skew is drawn too: one hot key, a few, or many. Each
+    // writer owns its keys, so there are no more writers than keys; each
+    // is paced so that they write for about as long as the faults last.
+    let keys = [1, 3, 60][rng.random_range(0..3)];
+    let writers = keys.min(6);
     let paced = Spec {
-        max_commit_delay: Duration::from_millis(350),
+        writers,
+        keys,
+        max_commit_delay: Duration::from_millis(350 * writers as u64 / 6),
         ..spec(&sink, scale(4_000))
     };
     let writers = workload::spawn(&db, paced);
@@ -500,14 +507,15 @@ async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy, front: Front) 
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..2_000))).await;
     }
     let written = writers.await.expect("writers");
-    eprintln!("seed {seed}: faults {faults:?}");
+    eprintln!("seed {seed}: {keys} keys, faults {faults:?}");
     let bound = faults.len() * BATCH * (PIPELINE + 1);
     let link = match front {
         Front::Broker => "broker",
         Front::Postgres => "postgres",
     };
+    let plural = if keys == 1 { "" } else { "s" };
     let name = format!(
-        "{}: {} mixed {link} link faults",
+        "{}: {} mixed {link} link faults, {keys} key{plural}",
         sink.broker(),
         faults.len()
     );

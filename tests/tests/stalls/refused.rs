@@ -69,6 +69,12 @@ async fn only_messages_before_the_refused_one_go_out(
         eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
         "the refused message was not dead-lettered"
     );
+    // The five were confirmed before the sixth was refused, not
+    // necessarily read yet; then a second for any that should not come.
+    assert!(
+        eventually(PATIENCE, || async { delivered().len() >= 5 }).await,
+        "the five messages before the refused one did not all arrive"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let got: Vec<String> = delivered()
         .iter()
