@@ -64,6 +64,58 @@ async fn s06_kafka_black_holed_then_reset_broker_connection() {
     tansu.stop().await;
 }
 
+/// Scenario 21: SIGTERM while the link to the broker is black-holed with
+/// batches in flight, as when a rolling deploy stops a relay during a
+/// network partition. The relay must not wait for a broker that will never
+/// answer: it exits 0 once its shutdown grace is over (5 s), leaving what
+/// was not confirmed in the outbox. The next relay publishes everything,
+/// repeating at most the batches that were in flight. Exiting is given a
+/// minute: far more than the grace, so only a relay that hangs fails.
+async fn sigterm_while_black_holed(db: TestDb, sink: Sink, proxy: &Proxy) {
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let via = format!("127.0.0.1:{}", proxy.port);
+    let env = env_for(&db, &sink, Some(&via));
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let writers = workload::spawn(&db, spec(&sink, scale(3_000)));
+    assert!(
+        eventually(PATIENCE, || async { sink.count() > 300 }).await,
+        "no flow before the fault"
+    );
+    proxy.set(Mode::BlackHole);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    relay.signal("TERM").await;
+    let exit = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    // Lifting the black hole closes the connections it held.
+    proxy.set(Mode::Pass);
+    assert_eq!(
+        exit.ok(),
+        Some(Some(0)),
+        "SIGTERM with the broker black-holed: exit 0 within a minute"
+    );
+    let written = writers.await.expect("writers");
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let bound = BATCH * (PIPELINE + 1);
+    let name = format!("{}: SIGTERM with the broker black-holed", sink.broker());
+    settle_within(&db, &sink, &written, &name, started, bound).await;
+    stop(relay).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+#[tokio::test]
+async fn s21_amqp_sigterm_while_the_broker_is_black_holed() {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    sigterm_while_black_holed(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+#[tokio::test]
+async fn s21_kafka_sigterm_while_the_broker_is_black_holed() {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    sigterm_while_black_holed(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
+}
+
 /// What the slow link of scenario 7 carries from relay to broker, in bytes
 /// per second.
 const SLOW_LINK: u64 = 100_000;
