@@ -40,10 +40,7 @@ impl Pace {
     /// the link with this one), never more than the limit already set.
     /// `broker` names it in the log line.
     pub fn slow_down(&self, delivered: usize, broker: &str) {
-        let bytes = (delivered / 4).max(MIN_BYTES);
-        let before = self.bytes.load(Ordering::Relaxed);
-        if before == 0 || bytes < before {
-            self.bytes.store(bytes, Ordering::Relaxed);
+        if let Some(bytes) = self.lower_to(delivered / 4) {
             tracing::warn!(
                 batch_bytes = bytes,
                 delivered,
@@ -61,16 +58,24 @@ impl Pace {
     /// request) that the link cannot carry in time would be sent again as
     /// large, and time out whole, forever.
     pub fn timed_out_whole(&self, sent: usize, broker: &str) {
-        let bytes = (sent / 2).max(MIN_BYTES);
-        let before = self.bytes.load(Ordering::Relaxed);
-        if before == 0 || bytes < before {
-            self.bytes.store(bytes, Ordering::Relaxed);
+        if let Some(bytes) = self.lower_to(sent / 2) {
             tracing::warn!(
                 batch_bytes = bytes,
                 sent,
                 "{broker} confirmed none of a batch before it timed out; smaller batches until it keeps up"
             );
         }
+    }
+
+    /// Lowers the limit to `bytes`, not below the floor: the new limit, or
+    /// `None` if it was already that low.
+    fn lower_to(&self, bytes: usize) -> Option<usize> {
+        let bytes = bytes.max(MIN_BYTES);
+        let before = self.bytes.load(Ordering::Relaxed);
+        (before == 0 || bytes < before).then(|| {
+            self.bytes.store(bytes, Ordering::Relaxed);
+            bytes
+        })
     }
 
     /// A batch went through whole in `took` of the `allowed` time: under a

@@ -13,6 +13,21 @@ use rand::Rng;
 
 use super::{env_for, scale, settle_within, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN};
 
+/// Runs `scenario` with a proxy in front of the local RabbitMQ.
+async fn via_proxy_to_rabbitmq(scenario: impl AsyncFnOnce(TestDb, Sink, &Proxy)) {
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    scenario(TestDb::new().await, Sink::amqp().await, &proxy).await;
+}
+
+/// Runs `scenario` against a private tansu that advertises a proxy in
+/// front of it, so that every connection, the relay's and the consumer's,
+/// crosses the proxy.
+async fn via_proxy_to_tansu(scenario: impl AsyncFnOnce(TestDb, Sink, &Proxy)) {
+    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
+    scenario(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
+    tansu.stop().await;
+}
+
 /// Scenario 6: a proxy between relay and broker black-holes traffic (accepts,
 /// never answers) for 10 s, then resets every connection.
 async fn black_holed_then_reset(db: TestDb, sink: Sink, proxy: &Proxy) {
@@ -51,17 +66,12 @@ async fn black_holed_then_reset(db: TestDb, sink: Sink, proxy: &Proxy) {
 
 #[tokio::test]
 async fn s06_amqp_black_holed_then_reset_broker_connection() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    black_holed_then_reset(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    via_proxy_to_rabbitmq(black_holed_then_reset).await;
 }
 
 #[tokio::test]
 async fn s06_kafka_black_holed_then_reset_broker_connection() {
-    // A private broker that advertises the proxy, so every connection (the
-    // relay's and the consumer's) crosses it.
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    black_holed_then_reset(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
-    tansu.stop().await;
+    via_proxy_to_tansu(black_holed_then_reset).await;
 }
 
 /// Scenario 21: SIGTERM while the link to the broker is black-holed with
@@ -105,15 +115,12 @@ async fn sigterm_while_black_holed(db: TestDb, sink: Sink, proxy: &Proxy) {
 
 #[tokio::test]
 async fn s21_amqp_sigterm_while_the_broker_is_black_holed() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    sigterm_while_black_holed(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    via_proxy_to_rabbitmq(sigterm_while_black_holed).await;
 }
 
 #[tokio::test]
 async fn s21_kafka_sigterm_while_the_broker_is_black_holed() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    sigterm_while_black_holed(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
-    tansu.stop().await;
+    via_proxy_to_tansu(sigterm_while_black_holed).await;
 }
 
 /// What the slow link of scenario 7 carries from relay to broker, in bytes
@@ -233,15 +240,12 @@ async fn drained_while_slow(
 
 #[tokio::test]
 async fn s07_amqp_slow_link_to_the_broker() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    slow_link(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    via_proxy_to_rabbitmq(slow_link).await;
 }
 
 #[tokio::test]
 async fn s07_kafka_slow_link_to_the_broker() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    slow_link(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
-    tansu.stop().await;
+    via_proxy_to_tansu(slow_link).await;
 }
 
 /// Scenario 19: scenario 7's slow link in front of one hot key with its
@@ -279,15 +283,12 @@ async fn slow_link_hot_key(db: TestDb, sink: Sink, proxy: &Proxy) {
 
 #[tokio::test]
 async fn s19_amqp_slow_link_one_hot_key() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    slow_link_hot_key(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    via_proxy_to_rabbitmq(slow_link_hot_key).await;
 }
 
 #[tokio::test]
 async fn s19_kafka_slow_link_one_hot_key() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    slow_link_hot_key(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
-    tansu.stop().await;
+    via_proxy_to_tansu(slow_link_hot_key).await;
 }
 
 /// Scenario 20: scenario 7's slow link in front of a few hot keys, a
@@ -325,15 +326,12 @@ async fn slow_link_few_hot_keys(db: TestDb, sink: Sink, proxy: &Proxy) {
 
 #[tokio::test]
 async fn s20_amqp_slow_link_few_hot_keys() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    slow_link_few_hot_keys(TestDb::new().await, Sink::amqp().await, &proxy).await;
+    via_proxy_to_rabbitmq(slow_link_few_hot_keys).await;
 }
 
 #[tokio::test]
 async fn s20_kafka_slow_link_few_hot_keys() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    slow_link_few_hot_keys(TestDb::new().await, Sink::kafka(&brokers).await, &proxy).await;
-    tansu.stop().await;
+    via_proxy_to_tansu(slow_link_few_hot_keys).await;
 }
 
 /// How late every answer of the broker of scenario 14 arrives: a sixth of
@@ -367,27 +365,16 @@ async fn slow_answers(db: TestDb, sink: Sink, proxy: &Proxy, late: Duration) {
 
 #[tokio::test]
 async fn s14_amqp_broker_answers_late() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    slow_answers(
-        TestDb::new().await,
-        Sink::amqp().await,
-        &proxy,
-        SLOW_ANSWERS,
-    )
+    via_proxy_to_rabbitmq(async |db, sink, proxy| {
+        slow_answers(db, sink, proxy, SLOW_ANSWERS).await
+    })
     .await;
 }
 
 #[tokio::test]
 async fn s14_kafka_broker_answers_late() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    slow_answers(
-        TestDb::new().await,
-        Sink::kafka(&brokers).await,
-        &proxy,
-        SLOW_ANSWERS,
-    )
-    .await;
-    tansu.stop().await;
+    via_proxy_to_tansu(async |db, sink, proxy| slow_answers(db, sink, proxy, SLOW_ANSWERS).await)
+        .await;
 }
 
 /// How late every answer of the broker of scenario 15 arrives: half the
@@ -403,13 +390,9 @@ const VERY_SLOW_ANSWERS: Duration = Duration::from_millis(1_500);
 /// set-up ends and the outbox drains.
 #[tokio::test]
 async fn s15_amqp_set_up_longer_than_a_batch() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    slow_answers(
-        TestDb::new().await,
-        Sink::amqp().await,
-        &proxy,
-        VERY_SLOW_ANSWERS,
-    )
+    via_proxy_to_rabbitmq(async |db, sink, proxy| {
+        slow_answers(db, sink, proxy, VERY_SLOW_ANSWERS).await
+    })
     .await;
 }
 
@@ -418,15 +401,10 @@ async fn s15_amqp_set_up_longer_than_a_batch() {
 /// (3 s) that librdkafka counts from the moment a record is handed to it.
 #[tokio::test]
 async fn s15_kafka_set_up_longer_than_a_batch() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    slow_answers(
-        TestDb::new().await,
-        Sink::kafka(&brokers).await,
-        &proxy,
-        VERY_SLOW_ANSWERS,
-    )
+    via_proxy_to_tansu(async |db, sink, proxy| {
+        slow_answers(db, sink, proxy, VERY_SLOW_ANSWERS).await
+    })
     .await;
-    tansu.stop().await;
 }
 
 /// How late every answer of the Postgres of scenario 16 arrives.
@@ -580,27 +558,18 @@ async fn link_faults_mixed(db: TestDb, sink: Sink, proxy: &Proxy, front: Front) 
 
 #[tokio::test]
 async fn s17_amqp_link_faults_mixed() {
-    let proxy = Proxy::start("127.0.0.1:5672").await;
-    link_faults_mixed(
-        TestDb::new().await,
-        Sink::amqp().await,
-        &proxy,
-        Front::Broker,
-    )
+    via_proxy_to_rabbitmq(async |db, sink, proxy| {
+        link_faults_mixed(db, sink, proxy, Front::Broker).await
+    })
     .await;
 }
 
 #[tokio::test]
 async fn s17_kafka_link_faults_mixed() {
-    let (tansu, proxy, brokers) = tansu_behind_proxy().await;
-    link_faults_mixed(
-        TestDb::new().await,
-        Sink::kafka(&brokers).await,
-        &proxy,
-        Front::Broker,
-    )
+    via_proxy_to_tansu(async |db, sink, proxy| {
+        link_faults_mixed(db, sink, proxy, Front::Broker).await
+    })
     .await;
-    tansu.stop().await;
 }
 
 /// Scenario 18: scenario 17's faults on the relay's link to Postgres
