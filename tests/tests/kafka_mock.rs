@@ -138,6 +138,47 @@ async fn transport_failures() {
     produce_errors("_TRANSPORT", RDKafkaRespErr::RD_KAFKA_RESP_ERR__TRANSPORT).await;
 }
 
+/// Errors about the producer's own id and epoch: the broker fenced it, it
+/// forgot it, or it saw a gap in its sequence numbers. librdkafka bumps the
+/// epoch for some, and for others marks the producer failed for good, which
+/// makes the relay build a new one (`recover_if_stuck`) with the batch
+/// retried on it. Either way nothing may be lost or reordered per key.
+#[tokio::test]
+async fn producer_fenced() {
+    produce_errors(
+        "PRODUCER_FENCED",
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_PRODUCER_FENCED,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn invalid_producer_epoch() {
+    produce_errors(
+        "INVALID_PRODUCER_EPOCH",
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_PRODUCER_EPOCH,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn unknown_producer_id() {
+    produce_errors(
+        "UNKNOWN_PRODUCER_ID",
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn out_of_order_sequence_number() {
+    produce_errors(
+        "OUT_OF_ORDER_SEQUENCE_NUMBER",
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn brokers_down_then_up() {
     run_with_fault("brokers down", &[], async |mock| {

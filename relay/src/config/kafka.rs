@@ -23,7 +23,7 @@ impl fmt::Debug for KafkaProperty {
 
 pub(super) fn parse_kafka_property(s: &str) -> Result<KafkaProperty, String> {
     match s.split_once('=') {
-        // The relay's guarantees rest on these two; they are not negotiable.
+        // The relay's guarantees rest on these; they are not negotiable.
         Some((k, v)) if k.trim() == "acks" && !matches!(v.trim(), "all" | "-1") => Err(format!(
             "acks={} lets the broker confirm records it can still lose; the relay needs acks=all",
             v.trim()
@@ -31,6 +31,11 @@ pub(super) fn parse_kafka_property(s: &str) -> Result<KafkaProperty, String> {
         Some((k, v)) if k.trim() == "enable.idempotence" && v.trim() != "true" => Err(
             "enable.idempotence must stay true: without it librdkafka's retries can reorder or \
              duplicate records within a partition"
+                .to_owned(),
+        ),
+        Some((k, v)) if k.trim() == "enable.gapless.guarantee" && v.trim() != "true" => Err(
+            "enable.gapless.guarantee must stay true: without it a record the broker refuses \
+             lets its key's later records go ahead of it"
                 .to_owned(),
         ),
         Some((k, v)) if !k.trim().is_empty() => {
@@ -244,5 +249,10 @@ mod kafka_tests {
             .map(|_| ())
             .expect_err("idempotence off");
         assert!(idem.contains("enable.idempotence"), "{idem}");
+        assert!(parse_kafka_property("enable.gapless.guarantee=true").is_ok());
+        let gaps = parse_kafka_property("enable.gapless.guarantee=false")
+            .map(|_| ())
+            .expect_err("gaps allowed");
+        assert!(gaps.contains("enable.gapless.guarantee"), "{gaps}");
     }
 }

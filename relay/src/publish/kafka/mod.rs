@@ -6,6 +6,10 @@
 //! key (so one key lands in one partition, in order); the message id travels in
 //! the `message-id` header.
 //!
+//! With `enable.gapless.guarantee`, a record the broker refuses for good stops
+//! the producer (a fatal error) instead of letting the records queued behind
+//! it go ahead; the relay then builds a new producer (`recover_if_stuck`).
+//!
 //! Errors that can never succeed for a record (too large, invalid) are rejected
 //! per message and recorded on the row. Every other error, including a timed
 //! out record whose status is "possibly persisted", fails the whole batch: it is

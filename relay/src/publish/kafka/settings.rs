@@ -51,6 +51,14 @@ impl KafkaSettings {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &self.brokers)
             .set("enable.idempotence", "true")
+            // A record the broker refuses for good (an old epoch, a record
+            // too large for the topic) would otherwise leave a gap: the
+            // producer bumps its epoch and sends the key's later records,
+            // which land ahead of the refused one when it is sent again.
+            // With this the producer stops at the refusal instead, the
+            // later records fail unsent, and the relay builds a new
+            // producer (`recover_if_stuck`).
+            .set("enable.gapless.guarantee", "true")
             .set("acks", "all")
             // Same partition for a key as the Java client gives it, so consumers
             // and other producers agree on where a key lives.
