@@ -770,3 +770,85 @@ async fn fresh_keys_on_an_offline_partition_do_not_hold_back_the_others() {
     );
     run.finish().await;
 }
+
+/// A batch with one record the broker refuses for good and another that
+/// cannot go out yet (its partition's leader is down). Under the gapless
+/// guarantee the refusal stops the producer and the waiting record is
+/// purged unsent, so nothing of the batch is confirmed; yet the broker did
+/// answer. The refusal must reach the relay, so that its record goes to the
+/// dead letters and only the other goes again; a batch failed whole, as in
+/// an outage, would meet the same refusal forever.
+#[tokio::test]
+async fn a_refusal_with_nothing_confirmed_is_an_answer_not_an_outage() {
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(2).expect("mock cluster");
+    let topic = outbox_tests::unique("refused");
+    mock.create_topic(&topic, 2, 1).expect("topic");
+    for partition in 0..2 {
+        mock.partition_leader(&topic, partition, Some(partition + 1))
+            .expect("leader");
+    }
+    let publisher = KafkaPublisher::new(KafkaSettings {
+        brokers: mock.bootstrap_servers(),
+        properties: Vec::new(),
+        message_timeout: Duration::from_secs(30),
+    })
+    .expect("producer");
+    let consumer = Fixture::consume(&mock.bootstrap_servers(), &topic, 2);
+    // One record for each partition.
+    let key_for = |p: i32| {
+        (0..)
+            .map(|i| format!("k{i}"))
+            .find(|k| murmur2_partition(k.as_bytes(), 2) == p)
+            .expect("a key")
+    };
+    let mut batch = outbox_tests::envelopes(&topic, 2, 1);
+    batch[0].ordering_key = Some(key_for(0));
+    batch[1].ordering_key = Some(key_for(1));
+    // Both partitions answer once, so the producer is set up.
+    let first = publisher.publish(&batch).await.expect("first batch");
+    assert!(first.iter().all(|v| v.is_ok()), "{first:?}");
+    let batch = outbox_tests::envelopes(&topic, 2, 1)
+        .into_iter()
+        .zip(&batch)
+        .map(|(mut e, b)| {
+            e.ordering_key.clone_from(&b.ordering_key);
+            e.payload = format!("again {}", String::from_utf8_lossy(&e.payload)).into_bytes();
+            e
+        })
+        .collect::<Vec<_>>();
+
+    mock.broker_down(2).expect("broker 2 down");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let verdicts = publisher
+        .publish(&batch)
+        .await
+        .expect("the broker answered about a record: not an outage");
+    let refused = verdicts[0].as_ref().expect_err("the refused record");
+    assert!(refused.permanent, "{refused:?}");
+    let waiting = verdicts[1]
+        .as_ref()
+        .expect_err("the record that could not go");
+    assert!(!waiting.permanent, "{waiting:?}");
+
+    // Sent again on the producer built after the refusal, once its
+    // partition is back, the other record goes through; the refused one
+    // never reached the log.
+    mock.broker_up(2).expect("broker 2 up");
+    let again = publisher.publish(&batch[1..]).await.expect("sent again");
+    assert!(matches!(again[0], Ok(Receipt::Kafka { .. })), "{again:?}");
+    assert!(eventually(PATIENCE, || async { consumer.count() >= 3 }).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut payloads: Vec<String> = consumer
+        .records()
+        .into_iter()
+        .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+        .collect();
+    payloads.sort();
+    assert_eq!(payloads, ["0", "1", "again 1"]);
+    publisher.close().await;
+    consumer.stop().await;
+}

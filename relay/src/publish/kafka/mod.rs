@@ -236,6 +236,9 @@ impl KafkaPublisher {
         // one that fell silent while this batch waited).
         let mut answering: Vec<(&str, i32)> = Vec::new();
         let mut without_offset = 0usize;
+        // Whether the broker refused a record for good: an answer, even
+        // when nothing else of the batch was confirmed.
+        let mut refused = false;
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
         let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
@@ -268,16 +271,25 @@ impl KafkaPublisher {
                 }
                 Ok(Ok((partition, offset))) => Ok(Receipt::Kafka { partition, offset }),
                 Ok(Err((e, partition))) => match rejection(&e) {
-                    Some(r) => Err(r),
+                    Some(r) => {
+                        refused = true;
+                        Err(r)
+                    }
                     None => {
+                        // Only a record left until its timeout is a sign of
+                        // a silent partition; one purged when the producer
+                        // stopped (a refusal under the gapless guarantee)
+                        // or failed otherwise is not.
+                        let left =
+                            e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut);
                         batch_error.get_or_insert(e);
-                        unanswered.push((i, partition));
+                        unanswered.push((i, partition, left));
                         continue;
                     }
                 },
                 Err(_canceled) => {
                     batch_error.get_or_insert(KafkaError::Canceled);
-                    unanswered.push((i, -1));
+                    unanswered.push((i, -1, false));
                     continue;
                 }
             });
@@ -305,17 +317,19 @@ impl KafkaPublisher {
             // publishing them again with the rest, at every retry of a
             // partition that stays offline, would repeat them without
             // bound. So when some were confirmed, only the unanswered ones
-            // go again (their keys wait for them); when none was, the
-            // whole batch failed as in any outage.
+            // go again (their keys wait for them). So too when the broker
+            // refused one for good: sent whole again, the batch would meet
+            // the same refusal forever. When neither, the whole batch
+            // failed as in any outage.
             let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(_))));
-            if !confirmed || without_offset > 0 {
+            if !(confirmed || refused) || without_offset > 0 {
                 return Err(PublishError::new("kafka: delivery failed", e));
             }
             let reason = format!("kafka: delivery failed: {e}");
-            for (i, partition) in unanswered {
+            for (i, partition, left) in unanswered {
                 // Its partition is silent while others answer: the next
                 // batches hold its records back (see `silent`).
-                if self.predictable && partition >= 0 {
+                if self.predictable && confirmed && left && partition >= 0 {
                     self.silent.unanswered(&batch[i].destination, partition);
                 }
                 outcomes[i] = Some(Err(Rejection::unanswered(reason.clone())));

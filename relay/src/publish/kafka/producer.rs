@@ -9,7 +9,7 @@ use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
-use rdkafka::producer::{BaseProducer, DeliveryResult, ProducerContext};
+use rdkafka::producer::{BaseProducer, DeliveryResult, Producer, ProducerContext, PurgeConfig};
 
 use super::setup::SetUp;
 
@@ -74,8 +74,19 @@ impl KafkaProducer {
         std::thread::Builder::new()
             .name("kafka-reports".into())
             .spawn(move || {
+                let mut purged = false;
                 while !stopped.load(Ordering::Relaxed) {
                     producer.poll(Duration::from_secs(1));
+                    // After a fatal error (a refusal under the gapless
+                    // guarantee) the records still queued wait out their
+                    // message timeout, though this producer will never
+                    // send them. Purged, their batches learn it now and go
+                    // again on a new producer.
+                    if !purged && producer.client().fatal_error().is_some() {
+                        tracing::debug!("kafka producer failed for good; purging its queue");
+                        producer.purge(PurgeConfig::default().queue());
+                        purged = true;
+                    }
                 }
             })
             .map_err(|e| KafkaError::ClientCreation(format!("delivery report thread: {e}")))?;
