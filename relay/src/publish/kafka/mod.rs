@@ -238,7 +238,7 @@ impl KafkaPublisher {
         let mut without_offset = 0usize;
         // Whether the broker refused a record for good: an answer, even
         // when nothing else of the batch was confirmed.
-        let mut refused = false;
+        let mut broker_refused = false;
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
         let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
@@ -272,7 +272,7 @@ impl KafkaPublisher {
                 Ok(Ok((partition, offset))) => Ok(Receipt::Kafka { partition, offset }),
                 Ok(Err((e, partition))) => match rejection(&e) {
                     Some(r) => {
-                        refused = true;
+                        broker_refused = true;
                         Err(r)
                     }
                     None => {
@@ -322,7 +322,7 @@ impl KafkaPublisher {
             // the same refusal forever. When neither, the whole batch
             // failed as in any outage.
             let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(_))));
-            if !(confirmed || refused) || without_offset > 0 {
+            if !(confirmed || broker_refused) || without_offset > 0 {
                 return Err(PublishError::new("kafka: delivery failed", e));
             }
             let reason = format!("kafka: delivery failed: {e}");
