@@ -149,9 +149,15 @@ async fn slow_link(db: TestDb, sink: Sink, proxy: &Proxy) {
         spec,
         &what,
         bound,
-        |p, on| p.throttle(if on { SLOW_LINK } else { 0 }),
+        throttled(SLOW_LINK),
     )
     .await;
+}
+
+/// Slows the proxy's link to `rate` bytes per second when on, lifts the
+/// limit when off.
+fn throttled(rate: u64) -> impl Fn(&Proxy, bool) {
+    move |p, on| p.throttle(if on { rate } else { 0 })
 }
 
 /// What the proxy of [`drain_while_slow`] stands in front of.
@@ -264,7 +270,7 @@ async fn slow_link_hot_key(db: TestDb, sink: Sink, proxy: &Proxy) {
     };
     let written = workload::run(&db.config, &db.outbox(), &spec).await;
     let relay = RelayProcess::start(RELAY_BIN, &env_via(&db, &sink, proxy, Front::Broker));
-    proxy.throttle(SLOW_LINK);
+    throttled(SLOW_LINK)(proxy, true);
     let what = format!("link slowed to {SLOW_LINK} bytes/s, one hot key");
     let bound = BATCH * (PIPELINE + 1);
     drained_while_slow(
@@ -276,7 +282,7 @@ async fn slow_link_hot_key(db: TestDb, sink: Sink, proxy: &Proxy) {
         &what,
         bound,
         started,
-        |p, on| p.throttle(if on { SLOW_LINK } else { 0 }),
+        throttled(SLOW_LINK),
     )
     .await;
 }
@@ -319,7 +325,7 @@ async fn slow_link_few_hot_keys(db: TestDb, sink: Sink, proxy: &Proxy) {
         spec,
         &what,
         bound,
-        |p, on| p.throttle(if on { rate } else { 0 }),
+        throttled(rate),
     )
     .await;
 }
