@@ -18,8 +18,9 @@ const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const PATIENCE: Duration = Duration::from_secs(120);
 
 /// Runs a 2,000-message workload through a relay producing to `mock`, calling
-/// `fault` once the relay is moving, and checks the outcome.
-async fn run_with_fault<F>(name: &str, props: &[(&str, &str)], fault: F)
+/// `fault` once the relay is moving, and checks the outcome: at most
+/// `dead_allowed` dead letters, and the rest delivered.
+async fn run_with_fault<F>(name: &str, props: &[(&str, &str)], dead_allowed: usize, fault: F)
 where
     F: AsyncFnOnce(&MockCluster<'static, rdkafka::producer::DefaultProducerContext>),
 {
@@ -34,8 +35,11 @@ where
     let db = TestDb::new().await;
     // Retention keeps each confirmed row with its delivery report, so a loss
     // can be traced to the partition and offset librdkafka reported for it.
+    // A dead letter lets its key's later rows go on (`--dead-letter-order
+    // skip`), so that the outbox drains and every row is accounted for.
     let settings = outbox_relay::Settings {
         retention: Some(Duration::from_secs(3600)),
+        park_on_dead_letter: false,
         ..fast_settings()
     };
     let relay = InProcessRelay::kafka(&db, &brokers, props, settings);
@@ -47,7 +51,7 @@ where
     );
     fault(&mock).await;
     let written = writers.await.expect("writers");
-    let report = drained_report(name, &db, &written, &consumer).await;
+    let report = drained_report(name, &db, &written, &consumer, dead_allowed).await;
     outbox_tests::check::record(
         TMP,
         &format!("kafka mock: {name}"),
@@ -66,24 +70,62 @@ where
 }
 
 /// Waits until `db`'s outbox is drained and `consumer` has seen all that
-/// was `written` (each within `PATIENCE`), then checks what it saw. A
-/// shortfall is left to the report, which names what is lost.
+/// was `written` but the dead letters, at most `dead_allowed` of them (each
+/// within `PATIENCE`), then checks what it saw. A dead letter is not a
+/// loss: it waits in its table for an operator. A shortfall is left to the
+/// report, which names what is lost.
 async fn drained_report(
     name: &str,
     db: &TestDb,
     written: &Written,
     consumer: &Fixture,
+    dead_allowed: usize,
 ) -> outbox_tests::check::Report {
     assert!(
         eventually(PATIENCE, || async { db.pending().await == 0 }).await,
         "{name}: not drained"
     );
-    eventually(PATIENCE, || async {
-        all_seen(written, &seen_kafka(&consumer.records()))
-    })
-    .await;
+    let dead: Vec<uuid::Uuid> = db
+        .column(&format!(
+            "SELECT message_id FROM {}.dead_letters",
+            db.schema.quoted()
+        ))
+        .await;
+    println!("{name}: {} dead letter(s)", dead.len());
+    assert!(
+        dead.len() <= dead_allowed,
+        "{name}: {} dead letters, {dead_allowed} allowed",
+        dead.len()
+    );
+    let report = || {
+        let mut report = check(written, &seen_kafka(&consumer.records()));
+        report.lost.retain(|id| !dead.contains(id));
+        report
+    };
+    eventually(PATIENCE, || async { report().lost.is_empty() }).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    check(written, &seen_kafka(&consumer.records()))
+    report()
+}
+
+/// A publisher to `mock` with librdkafka `properties` and a 30 s message
+/// timeout, and a consumer of `topic`'s `partitions`.
+fn publisher_to(
+    mock: &MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    properties: &[(&str, &str)],
+    topic: &str,
+    partitions: i32,
+) -> (KafkaPublisher, Fixture) {
+    let publisher = KafkaPublisher::new(KafkaSettings {
+        brokers: mock.bootstrap_servers(),
+        properties: properties
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        message_timeout: Duration::from_secs(30),
+    })
+    .expect("producer");
+    let consumer = Fixture::consume(&mock.bootstrap_servers(), topic, partitions);
+    (publisher, consumer)
 }
 
 async fn produce_errors(name: &str, err: RDKafkaRespErr) {
@@ -97,11 +139,35 @@ async fn produce_errors(name: &str, err: RDKafkaRespErr) {
     // three duplicates, was seen in one of four runs of this suite, most
     // likely this way.
     let props = [("max.in.flight.requests.per.connection", "1")];
-    run_with_fault(name, &props, async |mock| {
+    run_with_fault(name, &props, 0, async |mock| {
         // Every broker fails the next produce requests with `err`; librdkafka
         // retries them (or the relay retries the batch) until they go through.
         mock.request_errors(RDKafkaApiKey::Produce, &[err; 8]);
         tokio::time::sleep(Duration::from_secs(2)).await;
+    })
+    .await;
+}
+
+/// Makes `mock` refuse the next `n` produce requests as too large.
+fn refuse_for_size(
+    mock: &MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    n: usize,
+) {
+    let refusals = vec![RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; n];
+    mock.request_errors(RDKafkaApiKey::Produce, &refusals);
+}
+
+/// Size refusals amid a stream, from the relay's end: each refusal of a
+/// request of many records may cost at most the one record refused again
+/// alone (the mock cannot tell sizes; what it refuses is refused). The
+/// rest is delivered, each key in order, with writers and workers busy.
+#[tokio::test]
+async fn size_refusals_amid_a_stream_dead_letter_at_most_a_record_each() {
+    const REFUSALS: usize = 6;
+    // One request in flight per broker: see `produce_errors`.
+    let props = [("max.in.flight.requests.per.connection", "1")];
+    run_with_fault("size refusals", &props, REFUSALS, async |mock| {
+        refuse_for_size(mock, REFUSALS);
     })
     .await;
 }
@@ -181,7 +247,7 @@ async fn out_of_order_sequence_number() {
 
 #[tokio::test]
 async fn brokers_down_then_up() {
-    run_with_fault("brokers down", &[], async |mock| {
+    run_with_fault("brokers down", &[], 0, async |mock| {
         for b in 1..=3 {
             mock.broker_down(b).expect("down");
         }
@@ -200,6 +266,7 @@ async fn round_trips_slower_than_the_message_timeout() {
     run_with_fault(
         "slow round trips",
         &[("message.timeout.ms", "1500")],
+        0,
         async |mock| {
             for b in 1..=3 {
                 mock.broker_round_trip_time(b, Duration::from_secs(3))
@@ -226,17 +293,9 @@ async fn a_delivery_report_without_an_offset_is_not_a_confirmation() {
     let mock = MockCluster::new(1).expect("mock cluster");
     let topic = outbox_tests::unique("implicit");
     mock.create_topic(&topic, 1, 1).expect("topic");
-    let publisher = KafkaPublisher::new(KafkaSettings {
-        brokers: mock.bootstrap_servers(),
-        // One record per request, sent at once: ten requests in flight.
-        properties: vec![
-            ("linger.ms".into(), "0".into()),
-            ("batch.num.messages".into(), "1".into()),
-        ],
-        message_timeout: Duration::from_secs(30),
-    })
-    .expect("producer");
-    let consumer = Fixture::consume(&mock.bootstrap_servers(), &topic, 1);
+    // One record per request, sent at once: ten requests in flight.
+    let props = [("linger.ms", "0"), ("batch.num.messages", "1")];
+    let (publisher, consumer) = publisher_to(&mock, &props, &topic, 1);
     let batch = outbox_tests::envelopes(&topic, 10, 1);
     // Slow answers keep the later requests in flight while the first fails.
     mock.broker_round_trip_time(1, Duration::from_millis(300))
@@ -506,7 +565,7 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
     tokio::time::sleep(Duration::from_secs(10)).await;
     mock.broker_up(1).expect("broker 1 up");
     let written = writers.await.expect("writers");
-    let report = drained_report("one partition offline", db, &written, consumer).await;
+    let report = drained_report("one partition offline", db, &written, consumer, 0).await;
     outbox_tests::check::judge(
         TMP,
         "kafka mock: one partition offline 10s",
@@ -584,7 +643,7 @@ async fn a_hot_key_on_an_offline_partition_holds_back_only_its_own_partition() {
         elsewhere.committed.len()
     );
 
-    let report = drained_report("hot key offline", db, &written, consumer).await;
+    let report = drained_report("hot key offline", db, &written, consumer, 0).await;
     // The test's partitioner is the relay's: every record is where it says.
     let misplaced: Vec<_> = consumer
         .records()
@@ -788,13 +847,7 @@ async fn a_refusal_with_nothing_confirmed_is_an_answer_not_an_outage() {
         mock.partition_leader(&topic, partition, Some(partition + 1))
             .expect("leader");
     }
-    let publisher = KafkaPublisher::new(KafkaSettings {
-        brokers: mock.bootstrap_servers(),
-        properties: Vec::new(),
-        message_timeout: Duration::from_secs(30),
-    })
-    .expect("producer");
-    let consumer = Fixture::consume(&mock.bootstrap_servers(), &topic, 2);
+    let (publisher, consumer) = publisher_to(&mock, &[], &topic, 2);
     // One record for each partition.
     let key_for = |p: i32| {
         (0..)
@@ -819,10 +872,9 @@ async fn a_refusal_with_nothing_confirmed_is_an_answer_not_an_outage() {
         .collect::<Vec<_>>();
 
     mock.broker_down(2).expect("broker 2 down");
-    mock.request_errors(
-        RDKafkaApiKey::Produce,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
-    );
+    // Refused in the batch, then again when sent alone (see the test
+    // below): too large by itself.
+    refuse_for_size(&mock, 2);
     let verdicts = publisher
         .publish(&batch)
         .await
@@ -849,6 +901,112 @@ async fn a_refusal_with_nothing_confirmed_is_an_answer_not_an_outage() {
         .collect();
     payloads.sort();
     assert_eq!(payloads, ["0", "1", "again 1"]);
+    publisher.close().await;
+    consumer.stop().await;
+}
+
+/// Kafka checks a topic's `max.message.bytes` against a whole record batch,
+/// and refuses all of it: a batch of records that each fit, larger than the
+/// topic takes, or one that holds a single record too large. librdkafka
+/// does not split a refused batch. The records of such a batch must not all
+/// go to the dead letters: sent alone, those that fit go through, and only
+/// one refused by itself is too large. Its key's later records wait for it,
+/// and no key's order breaks.
+#[tokio::test]
+async fn a_record_batch_refused_as_too_large_dead_letters_only_a_record_refused_alone() {
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    let topic = outbox_tests::unique("too-large");
+    mock.create_topic(&topic, 1, 1).expect("topic");
+    // One request at a time, and time to gather the batch's records into
+    // one record batch: the mock does not check idempotent sequence
+    // numbers, so a request in flight behind a refused one would be
+    // written (a real broker answers it OUT_OF_ORDER_SEQUENCE_NUMBER).
+    let props = [
+        ("max.in.flight.requests.per.connection", "1"),
+        ("linger.ms", "50"),
+    ];
+    let (publisher, consumer) = publisher_to(&mock, &props, &topic, 1);
+    let first = publisher
+        .publish(&outbox_tests::envelopes(&topic, 1, 1))
+        .await
+        .expect("set-up batch");
+    assert!(first.iter().all(|v| v.is_ok()), "{first:?}");
+
+    // Six records of keys k0 and k1, alternating: 0, 2, 4 are k0's.
+    let batch: Vec<_> = outbox_tests::envelopes(&topic, 6, 2)
+        .into_iter()
+        .map(|mut e| {
+            e.payload = format!("r{}", e.seq).into_bytes();
+            e
+        })
+        .collect();
+    // The record batch of all six is refused; then the first request of
+    // one record, k0's first, is refused too.
+    refuse_for_size(&mock, 2);
+    let verdicts = publisher
+        .publish(&batch)
+        .await
+        .expect("the broker answered: not an outage");
+    let dead: Vec<i64> = batch
+        .iter()
+        .zip(&verdicts)
+        .filter(|(_, v)| v.as_ref().is_err_and(|r| r.permanent))
+        .map(|(e, _)| e.seq)
+        .collect();
+    assert_eq!(
+        dead,
+        [0],
+        "only the record refused alone is too large: {verdicts:?}"
+    );
+    // The rest are delivered now, or go again with a later batch (each
+    // key's order kept), as the relay's settle would send them.
+    let mut left: Vec<_> = batch
+        .iter()
+        .zip(&verdicts)
+        .filter(|(_, v)| v.as_ref().is_err_and(|r| !r.permanent))
+        .map(|(e, _)| e.clone())
+        .collect();
+    for _ in 0..5 {
+        if left.is_empty() {
+            break;
+        }
+        let again = publisher.publish(&left).await.expect("sent again");
+        assert!(
+            again
+                .iter()
+                .all(|v| v.as_ref().map_or_else(|r| !r.permanent, |_| true)),
+            "{again:?}"
+        );
+        left = left
+            .into_iter()
+            .zip(&again)
+            .filter(|(_, v)| v.is_err())
+            .map(|(e, _)| e)
+            .collect();
+    }
+    assert!(left.is_empty(), "still not delivered: {left:?}");
+    assert!(eventually(PATIENCE, || async { consumer.count() >= 6 }).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let payloads: Vec<String> = consumer
+        .records()
+        .into_iter()
+        .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+        .filter(|p| p.starts_with('r'))
+        .collect();
+    let of = |key: &[&str]| -> Vec<String> {
+        payloads
+            .iter()
+            .filter(|p| key.contains(&p.as_str()))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(of(&["r0", "r2", "r4"]), ["r2", "r4"], "k0: {payloads:?}");
+    assert_eq!(
+        of(&["r1", "r3", "r5"]),
+        ["r1", "r3", "r5"],
+        "k1: {payloads:?}"
+    );
     publisher.close().await;
     consumer.stop().await;
 }

@@ -11,7 +11,9 @@
 //! it go ahead; the relay then builds a new producer (`recover_if_stuck`).
 //!
 //! Errors that can never succeed for a record (too large, invalid) are rejected
-//! per message and recorded on the row. Every other error, including a timed
+//! per message and recorded on the row; a broker's refusal for size covers a
+//! whole record batch, so its records are first sent again alone (`alone`).
+//! Every other error, including a timed
 //! out record whose status is "possibly persisted", fails the whole batch: it is
 //! retried, and a record that did reach the broker becomes a duplicate with the
 //! same message id, never a loss. So is a record librdkafka reports delivered
@@ -31,6 +33,7 @@ use super::cloudevents::CloudEvents;
 use super::pace::Pace;
 use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 
+mod alone;
 mod producer;
 mod record;
 mod settings;
@@ -38,7 +41,7 @@ mod setup;
 mod silent;
 
 use producer::KafkaProducer;
-use record::{headers, rejection};
+use record::{headers, is_size_refusal, rejection};
 pub use settings::{is_secret, KafkaSettings};
 pub use silent::murmur2_partition;
 use silent::{Held, Silent};
@@ -133,8 +136,46 @@ impl KafkaPublisher {
         }
     }
 
+    /// Waits until `producer` is set up to send `topics` at once (see
+    /// `setup`), for up to half the time until `deadline`: the records then
+    /// have the message timeout to be answered in.
+    async fn set_up(
+        &self,
+        producer: &KafkaProducer,
+        topics: &[&str],
+        deadline: Instant,
+    ) -> Result<(), setup::Missing> {
+        let now = Instant::now();
+        let wait_until = now + deadline.saturating_duration_since(now) / 2;
+        producer
+            .setup
+            .wait(
+                &producer.inner,
+                topics.iter().copied(),
+                self.settings.message_timeout,
+                wait_until,
+            )
+            .await
+    }
+
+    /// `env` as a record, its delivery report to go to `report`.
+    fn record<'e>(
+        &self,
+        env: &'e Envelope,
+        report: oneshot::Sender<producer::Report>,
+    ) -> BaseRecord<'e, [u8], [u8], Box<oneshot::Sender<producer::Report>>> {
+        let mut record = BaseRecord::with_opaque_to(&env.destination, Box::new(report))
+            .payload(env.payload.as_slice())
+            .headers(headers(env, self.cloudevents.as_ref()));
+        if let Some(key) = &env.ordering_key {
+            record = record.key(key.as_bytes());
+        }
+        record
+    }
+
     /// Hands every record of the batch to `producer`, then waits for
-    /// their delivery reports.
+    /// their delivery reports; records the broker refused as too large
+    /// together go again alone (see `alone`), by `deadline`.
     ///
     /// `absent` holds the batch's topics that the broker said do not exist:
     /// their records are refused here. `held` holds, per topic with its
@@ -145,6 +186,7 @@ impl KafkaPublisher {
         batch: &[Envelope],
         absent: &[&str],
         held: &[(&str, i32, Held)],
+        deadline: Instant,
     ) -> Result<Vec<Verdict>, PublishError> {
         let started = Instant::now();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
@@ -197,13 +239,7 @@ impl KafkaPublisher {
                 continue;
             }
             let (report, delivery) = oneshot::channel();
-            let mut record =
-                BaseRecord::<[u8], [u8], _>::with_opaque_to(&env.destination, Box::new(report))
-                    .payload(&env.payload)
-                    .headers(headers(env, self.cloudevents.as_ref()));
-            if let Some(key) = &env.ordering_key {
-                record = record.key(key.as_bytes());
-            }
+            let mut record = self.record(env, report);
             if let Some(p) = partition {
                 record = record.partition(p);
             }
@@ -239,6 +275,9 @@ impl KafkaPublisher {
         // Whether the broker refused a record for good: an answer, even
         // when nothing else of the batch was confirmed.
         let mut broker_refused = false;
+        // Records refused together with the rest of their record batch,
+        // for its size: settled by sending each alone.
+        let mut too_large = Vec::new();
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
         let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
@@ -270,6 +309,11 @@ impl KafkaPublisher {
                     continue;
                 }
                 Ok(Ok((partition, offset))) => Ok(Receipt::Kafka { partition, offset }),
+                Ok(Err((e, _))) if e.rdkafka_error_code().is_some_and(is_size_refusal) => {
+                    broker_refused = true;
+                    too_large.push(i);
+                    continue;
+                }
                 Ok(Err((e, partition))) => match rejection(&e) {
                     Some(r) => {
                         broker_refused = true;
@@ -346,11 +390,26 @@ impl KafkaPublisher {
                  (implicitly acknowledged after an uncertain failure); not taken as confirmed"
             )));
         }
+        if !too_large.is_empty() {
+            self.send_alone(batch, &too_large, &mut outcomes, deadline)
+                .await;
+        }
         Ok(outcomes
             .into_iter()
             .map(|o| o.unwrap_or_else(|| Err(Rejection::retryable("no delivery report"))))
             .collect())
     }
+}
+
+/// The topics of `batch`, each once, in the order they first appear.
+fn topics_of<'b>(batch: impl Iterator<Item = &'b Envelope>) -> Vec<&'b str> {
+    let mut topics: Vec<&str> = Vec::new();
+    for env in batch {
+        if !topics.contains(&env.destination.as_str()) {
+            topics.push(&env.destination);
+        }
+    }
+    topics
 }
 
 impl Publisher for KafkaPublisher {
@@ -378,24 +437,8 @@ impl Publisher for KafkaPublisher {
             self.recover_if_stuck(&producer, None);
             producer = self.producer();
         }
-        let mut topics: Vec<&str> = Vec::new();
-        for env in batch {
-            if !topics.contains(&env.destination.as_str()) {
-                topics.push(&env.destination);
-            }
-        }
-        let now = Instant::now();
-        let wait_until = now + deadline.saturating_duration_since(now) / 2;
-        let set_up = producer
-            .setup
-            .wait(
-                &producer.inner,
-                topics.iter().copied(),
-                self.settings.message_timeout,
-                wait_until,
-            )
-            .await;
-        if let Err(missing) = set_up {
+        let topics = topics_of(batch.iter());
+        if let Err(missing) = self.set_up(&producer, &topics, deadline).await {
             let waited = missing.since.elapsed();
             return Err(if waited < self.settings.message_timeout {
                 PublishError::unsent(format!(
@@ -432,7 +475,7 @@ impl Publisher for KafkaPublisher {
                 }
             }
         }
-        self.send(&producer, batch, &absent, &held).await
+        self.send(&producer, batch, &absent, &held, deadline).await
     }
 
     /// One topic is one lane: the idempotent producer fails every later record

@@ -17,6 +17,17 @@ fn is_permanent(code: RDKafkaErrorCode) -> bool {
     )
 }
 
+/// A broker's refusal of a record batch for its size: `max.message.bytes`
+/// (MessageSizeTooLarge) or the segment size (MessageBatchTooLarge). It
+/// covers every record of the batch, so it names none of them (see
+/// `super::alone`).
+pub(super) fn is_size_refusal(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::MessageBatchTooLarge
+    )
+}
+
 /// Errors about one topic that an operator can fix (create the topic, grant
 /// access): the message waits and retries, while other topics keep flowing.
 fn is_topic_problem(code: RDKafkaErrorCode) -> bool {

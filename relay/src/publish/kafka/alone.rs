@@ -1,0 +1,163 @@
+//! Records the broker refused as too large, sent again one per request.
+//!
+//! Kafka checks a topic's `max.message.bytes` (and its segment size)
+//! against a whole record batch, not one record: librdkafka puts many
+//! records of a partition in one batch, up to its own `batch.size`, and a
+//! refusal covers every record in it. librdkafka does not split a refused
+//! batch. So a refusal says only that one of its records, or their sum,
+//! was too large; which one, the relay cannot tell. Its batch may even have
+//! held records of other workers' batches, which share the producer.
+//!
+//! Dead-lettering them all would take records that fit out of the stream.
+//! Instead they go again on a producer of their own that puts one record in
+//! each batch (`batch.num.messages=1`). A record refused there is too large
+//! by itself and goes to the dead letters; the others are delivered. Like
+//! the main producer it keeps the gapless guarantee: a refusal stops it, and
+//! the records behind the refused one, unsent, go again with the next batch.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use futures::channel::oneshot;
+use futures::future::join_all;
+use rdkafka::error::KafkaError;
+use tokio::time::Instant;
+
+use super::producer::KafkaProducer;
+use super::record::is_size_refusal;
+use super::{topics_of, KafkaPublisher};
+use crate::publish::{Envelope, Receipt, Rejection, Verdict};
+
+impl KafkaPublisher {
+    /// Settles the records at `refused` (indices into `batch`, which the
+    /// broker refused as too large together) by sending each again alone,
+    /// by `deadline`. A refused record with an earlier record of its key
+    /// not confirmed is not sent: it would go ahead of that record.
+    pub(super) async fn send_alone(
+        &self,
+        batch: &[Envelope],
+        refused: &[usize],
+        outcomes: &mut [Option<Verdict>],
+        deadline: Instant,
+    ) {
+        let mut waiting: HashSet<&str> = HashSet::new();
+        let mut alone = Vec::new();
+        for (i, env) in batch.iter().enumerate() {
+            let key = env.ordering_key.as_deref();
+            if refused.contains(&i) {
+                if key.is_some_and(|k| waiting.contains(k)) {
+                    outcomes[i] = Some(Err(Rejection::unanswered(
+                        "kafka: refused as too large together with other records; \
+                         to be sent alone after an earlier record of its key",
+                    )));
+                } else {
+                    alone.push(i);
+                }
+            } else if !matches!(outcomes[i], Some(Ok(_))) {
+                if let Some(k) = key {
+                    waiting.insert(k);
+                }
+            }
+        }
+        if alone.is_empty() {
+            return;
+        }
+        let sent = tokio::time::timeout_at(deadline, self.produce_alone(batch, &alone, deadline));
+        let verdicts = match sent
+            .await
+            .unwrap_or_else(|_| Err("no answer by the deadline".into()))
+        {
+            Ok(verdicts) => verdicts,
+            Err(reason) => {
+                let e = Rejection::unanswered(format!(
+                    "kafka: refused as too large together with other records; \
+                     cannot send it alone yet: {reason}"
+                ));
+                alone.iter().map(|_| Err(e.clone())).collect()
+            }
+        };
+        let through = verdicts.iter().filter(|v| v.is_ok()).count();
+        let too_large = verdicts
+            .iter()
+            .filter(|v| v.as_ref().is_err_and(|r| r.permanent))
+            .count();
+        if through > 0 {
+            tracing::warn!(
+                refused = refused.len(),
+                sent_alone = alone.len(),
+                delivered_alone = through,
+                too_large_alone = too_large,
+                "kafka: the broker refused a record batch as too large, yet records of it \
+                 went through one per request; if this repeats, the producer's batches \
+                 are larger than the topic takes: set --kafka-config batch.size below \
+                 the topic's max.message.bytes"
+            );
+        }
+        for (i, verdict) in alone.into_iter().zip(verdicts) {
+            outcomes[i] = Some(verdict);
+        }
+    }
+
+    /// Sends `batch[i]` for each of `alone` on a producer that puts one
+    /// record in each request, and returns their verdicts in that order;
+    /// an error when that producer cannot be set up by `deadline`.
+    async fn produce_alone(
+        &self,
+        batch: &[Envelope],
+        alone: &[usize],
+        deadline: Instant,
+    ) -> Result<Vec<Verdict>, String> {
+        let mut config = self.settings.client_config();
+        config.set("batch.num.messages", "1");
+        let producer = Arc::new(KafkaProducer::new(&config).map_err(|e| e.to_string())?);
+        let topics = topics_of(alone.iter().map(|&i| &batch[i]));
+        self.set_up(&producer, &topics, deadline)
+            .await
+            .map_err(|missing| format!("the producer is without {}", missing.what))?;
+        let mut pending = Vec::with_capacity(alone.len());
+        let mut verdicts: Vec<Option<Verdict>> = vec![None; alone.len()];
+        for (n, &i) in alone.iter().enumerate() {
+            let (report, delivery) = oneshot::channel();
+            match producer.inner.send(self.record(&batch[i], report)) {
+                Ok(()) => pending.push(async move { (n, delivery.await) }),
+                Err((e, _)) => {
+                    verdicts[n] = Some(Err(self.refused_alone(&e)));
+                    // Nothing later may go ahead of it.
+                    break;
+                }
+            }
+        }
+        for (n, report) in join_all(pending).await {
+            verdicts[n] = Some(match report {
+                Ok(Ok((partition, offset))) if offset >= 0 => {
+                    Ok(Receipt::Kafka { partition, offset })
+                }
+                Ok(Err((e, _))) => Err(self.refused_alone(&e)),
+                _ => Err(Rejection::unanswered(
+                    "kafka: sent alone after a refusal, and not confirmed",
+                )),
+            });
+        }
+        Ok(verdicts
+            .into_iter()
+            .map(|v| {
+                v.unwrap_or_else(|| {
+                    Err(Rejection::unanswered(
+                        "kafka: not sent alone: an earlier record was refused",
+                    ))
+                })
+            })
+            .collect())
+    }
+
+    /// A record that failed when sent alone: too large for good when the
+    /// broker refused it for its size; otherwise it goes again.
+    fn refused_alone(&self, e: &KafkaError) -> Rejection {
+        match e.rdkafka_error_code() {
+            Some(code) if is_size_refusal(code) => {
+                Rejection::permanent(format!("kafka: {code} (refused when sent alone)"))
+            }
+            _ => Rejection::unanswered(format!("kafka: sent alone, not confirmed: {e}")),
+        }
+    }
+}
