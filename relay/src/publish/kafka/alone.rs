@@ -17,6 +17,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::channel::oneshot;
 use futures::future::join_all;
@@ -81,7 +82,7 @@ impl KafkaPublisher {
             .iter()
             .filter(|v| v.as_ref().is_err_and(|r| r.permanent))
             .count();
-        if through > 0 {
+        if through > 0 && self.warn_of_batch_size() {
             tracing::warn!(
                 refused = refused.len(),
                 sent_alone = alone.len(),
@@ -96,6 +97,17 @@ impl KafkaPublisher {
         for (i, verdict) in alone.into_iter().zip(verdicts) {
             outcomes[i] = Some(verdict);
         }
+    }
+
+    /// Whether to warn that batches exceed the topic's limit: at most once
+    /// a minute, for a producer so set up meets it with every batch.
+    fn warn_of_batch_size(&self) -> bool {
+        let mut last = self.size_warned.lock().unwrap_or_else(|p| p.into_inner());
+        let due = last.is_none_or(|at| at.elapsed() >= Duration::from_secs(60));
+        if due {
+            *last = Some(Instant::now());
+        }
+        due
     }
 
     /// Sends `batch[i]` for each of `alone` on a producer that puts one

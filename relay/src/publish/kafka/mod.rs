@@ -60,6 +60,9 @@ pub struct KafkaPublisher {
     /// Whether the partitioner is one whose placement of a keyed record the
     /// relay can tell (see `silent`).
     predictable: bool,
+    /// When the relay last warned that a refused record batch was larger
+    /// than its topic takes (see `alone`).
+    size_warned: std::sync::Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -83,6 +86,7 @@ impl KafkaPublisher {
             cloudevents: None,
             pace: Pace::default(),
             predictable,
+            size_warned: std::sync::Mutex::new(None),
         })
     }
 
