@@ -16,6 +16,21 @@ use std::time::Duration;
 /// (a larger message still goes alone).
 const MIN_BYTES: usize = 16 * 1024;
 
+/// What to do about a message of `bytes`, sent alone, that the broker did
+/// not confirm within `timeout`: nothing pacing can do when it is above the
+/// floor, for a link that carries less than it in the timeout never will.
+/// (A broker that stopped answering shows the same, hence the "if".)
+pub fn alone_too_slow(bytes: usize, timeout: Duration) -> Option<String> {
+    (bytes > MIN_BYTES).then(|| {
+        format!(
+            "a message of {bytes} bytes, sent alone, was not confirmed within \
+             --confirm-timeout ({timeout:?}); if the broker is up and this repeats, the link \
+             carries less than it in that time and never will: raise --confirm-timeout \
+             past the time the link takes to carry it, and --hold-limit to 2.5 times that"
+        )
+    })
+}
+
 /// Past this, pacing no longer limits any batch the relay's flags allow.
 const UNLIMITED_FROM: usize = 1 << 30;
 
@@ -136,5 +151,18 @@ mod tests {
         assert_eq!(pace.limit(), Some(100_000));
         pace.timed_out_whole(0, "test");
         assert_eq!(pace.limit(), Some(MIN_BYTES), "never below the floor");
+    }
+
+    #[test]
+    fn only_a_message_above_the_floor_is_one_pacing_cannot_help() {
+        let timeout = Duration::from_secs(3);
+        assert_eq!(
+            alone_too_slow(MIN_BYTES, timeout),
+            None,
+            "pacing can get here"
+        );
+        let hint = alone_too_slow(MIN_BYTES + 1, timeout).expect("above the floor");
+        assert!(hint.contains(&format!("{} bytes", MIN_BYTES + 1)), "{hint}");
+        assert!(hint.contains("raise --confirm-timeout"), "{hint}");
     }
 }

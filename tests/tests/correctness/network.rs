@@ -340,6 +340,76 @@ async fn s20_kafka_slow_link_few_hot_keys() {
     via_proxy_to_tansu(slow_link_few_hot_keys).await;
 }
 
+/// Scenario 22: one message the slow link cannot carry within the confirm
+/// timeout (100 KB at 20 KB/s: 5 s against 3 s). Pacing cannot shrink a
+/// batch of one, so it is sent again and again and never confirmed. The
+/// relay must say so on the row, naming the remedy; and the remedy, a
+/// relay restarted with a longer confirm timeout and hold limit, must
+/// deliver it while the link stays as slow.
+async fn one_message_slower_than_the_confirm_timeout(db: TestDb, sink: Sink, proxy: &Proxy) {
+    const RATE: u64 = 20_000;
+    outbox_tests::init_logging();
+    let started = Instant::now();
+    let spec = Spec {
+        pad: 100_000,
+        rollback_percent: 0,
+        ..Spec::new(sink.destination(), 1, 1, 1)
+    };
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+    throttled(RATE)(proxy, true);
+    let env = env_via(&db, &sink, proxy, Front::Broker);
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let last_error = || async {
+        db.column::<Option<String>>(&format!("SELECT last_error FROM {}", db.table()))
+            .await
+            .into_iter()
+            .flatten()
+            .next()
+    };
+    let named = eventually(PATIENCE, || async {
+        last_error()
+            .await
+            .is_some_and(|e| e.contains("raise --confirm-timeout"))
+    })
+    .await;
+    assert!(
+        named,
+        "the row's last error does not name the remedy: {:?}",
+        last_error().await
+    );
+    stop(relay).await;
+
+    let mut env = env;
+    env.push(("OUTBOX_CONFIRM_TIMEOUT", "20s".into()));
+    env.push(("OUTBOX_HOLD_LIMIT", "50s".into()));
+    let relay = RelayProcess::start(RELAY_BIN, &env);
+    let what = format!("link slowed to {RATE} bytes/s, one message of 100 KB");
+    // Each send before the restart may have reached the broker whole.
+    let bound = 5;
+    drained_while_slow(
+        db,
+        sink,
+        proxy,
+        relay,
+        written,
+        &what,
+        bound,
+        started,
+        throttled(RATE),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn s22_amqp_one_message_slower_than_the_confirm_timeout() {
+    via_proxy_to_rabbitmq(one_message_slower_than_the_confirm_timeout).await;
+}
+
+#[tokio::test]
+async fn s22_kafka_one_message_slower_than_the_confirm_timeout() {
+    via_proxy_to_tansu(one_message_slower_than_the_confirm_timeout).await;
+}
+
 /// How late every answer of the broker of scenario 14 arrives: a sixth of
 /// the confirm timeout (3 s).
 const SLOW_ANSWERS: Duration = Duration::from_millis(500);

@@ -25,7 +25,7 @@ use lapin::types::ShortString;
 use lapin::{Confirmation, Connection};
 
 use super::cloudevents::CloudEvents;
-use super::pace::Pace;
+use super::pace::{alone_too_slow, Pace};
 use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
 use link::{Broker, Prepared};
 use wire::{
@@ -352,10 +352,15 @@ impl Publisher for AmqpPublisher {
                     // the link is alive.
                     let last = self.last_progress();
                     if last <= since {
-                        break Some(format!(
-                            "no confirms from rabbitmq within {:?}",
-                            self.broker.settings.confirm_timeout
-                        ));
+                        let timeout = self.broker.settings.confirm_timeout;
+                        let alone = match sent.as_slice() {
+                            [(i, _)] => alone_too_slow(batch[*i].payload.len(), timeout),
+                            _ => None,
+                        };
+                        break Some(match alone {
+                            Some(hint) => format!("no confirms from rabbitmq: {hint}"),
+                            None => format!("no confirms from rabbitmq within {timeout:?}"),
+                        });
                     }
                     since = last;
                     quiet.as_mut().reset((since + self.broker.settings.confirm_timeout).min(deadline));

@@ -30,7 +30,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseRecord, Producer};
 
 use super::cloudevents::CloudEvents;
-use super::pace::Pace;
+use super::pace::{alone_too_slow, Pace};
 use super::{Envelope, PublishError, Publisher, Receipt, Rejection, Verdict};
 
 mod alone;
@@ -268,6 +268,7 @@ impl KafkaPublisher {
                 }
             }
         }
+        let handed = pending.len();
         let mut batch_error = None;
         // Records that failed with an error not of their own, by index, with
         // the partition each was for.
@@ -371,7 +372,13 @@ impl KafkaPublisher {
             // failed as in any outage.
             let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(_))));
             if !(confirmed || broker_refused) || without_offset > 0 {
-                return Err(PublishError::new("kafka: delivery failed", e));
+                let alone = (timed_out && handed == 1)
+                    .then(|| alone_too_slow(sent, self.settings.message_timeout))
+                    .flatten();
+                return Err(match alone {
+                    Some(hint) => PublishError::new(format!("kafka: delivery failed: {hint}"), e),
+                    None => PublishError::new("kafka: delivery failed", e),
+                });
             }
             let reason = format!("kafka: delivery failed: {e}");
             for (i, partition, left) in unanswered {
