@@ -10,18 +10,22 @@
 //!
 //! Dead-lettering them all would take records that fit out of the stream.
 //! Instead they go again on a producer of their own that puts one record in
-//! each batch (`batch.num.messages=1`). A record refused there is too large
-//! by itself and goes to the dead letters; the others are delivered. Like
-//! the main producer it keeps the gapless guarantee: a refusal stops it, and
-//! the records behind the refused one, unsent, go again with the next batch.
+//! each batch (`batch.num.messages=1`), kept for the next refusal once made.
+//! A record refused there is too large by itself and goes to the dead
+//! letters; the others are delivered. Like the main producer it keeps the
+//! gapless guarantee: a refusal stops it (the next refusal gets a new one),
+//! and the records behind the refused one, unsent, go again with the next
+//! batch. What the broker has not answered by the batch's deadline goes
+//! again too; what it answered stands.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::channel::oneshot;
-use futures::future::join_all;
+use futures::stream::{FuturesUnordered, StreamExt};
 use rdkafka::error::KafkaError;
+use rdkafka::producer::Producer;
 use tokio::time::Instant;
 
 use super::producer::KafkaProducer;
@@ -33,7 +37,9 @@ impl KafkaPublisher {
     /// Settles the records at `refused` (indices into `batch`, which the
     /// broker refused as too large together) by sending each again alone,
     /// by `deadline`. A refused record with an earlier record of its key
-    /// not confirmed is not sent: it would go ahead of that record.
+    /// not confirmed is not sent: it would go ahead of that record. (A
+    /// later record of its key cannot have been confirmed: a broker that
+    /// checks idempotent sequence numbers refuses it out of sequence.)
     pub(super) async fn send_alone(
         &self,
         batch: &[Envelope],
@@ -63,11 +69,7 @@ impl KafkaPublisher {
         if alone.is_empty() {
             return;
         }
-        let sent = tokio::time::timeout_at(deadline, self.produce_alone(batch, &alone, deadline));
-        let verdicts = match sent
-            .await
-            .unwrap_or_else(|_| Err("no answer by the deadline".into()))
-        {
+        let verdicts = match self.produce_alone(batch, &alone, deadline).await {
             Ok(verdicts) => verdicts,
             Err(reason) => {
                 let e = Rejection::unanswered(format!(
@@ -110,23 +112,39 @@ impl KafkaPublisher {
         due
     }
 
+    /// The producer that puts one record in each request: kept while it
+    /// can produce, so that its set-up (producer id, topics) carries over
+    /// from one refusal to the next; a new one after a refusal stopped it.
+    fn alone_producer(&self) -> Result<Arc<KafkaProducer>, String> {
+        let mut slot = self.alone.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = slot.as_ref() {
+            if p.inner.client().fatal_error().is_none() {
+                return Ok(Arc::clone(p));
+            }
+        }
+        let mut config = self.settings.client_config();
+        config.set("batch.num.messages", "1");
+        let producer = Arc::new(KafkaProducer::new(&config).map_err(|e| e.to_string())?);
+        *slot = Some(Arc::clone(&producer));
+        Ok(producer)
+    }
+
     /// Sends `batch[i]` for each of `alone` on a producer that puts one
-    /// record in each request, and returns their verdicts in that order;
-    /// an error when that producer cannot be set up by `deadline`.
+    /// record in each request, and returns their verdicts in that order,
+    /// as far as the broker answered by `deadline`; an error when that
+    /// producer cannot be set up by half the time until then.
     async fn produce_alone(
         &self,
         batch: &[Envelope],
         alone: &[usize],
         deadline: Instant,
     ) -> Result<Vec<Verdict>, String> {
-        let mut config = self.settings.client_config();
-        config.set("batch.num.messages", "1");
-        let producer = Arc::new(KafkaProducer::new(&config).map_err(|e| e.to_string())?);
+        let producer = self.alone_producer()?;
         let topics = topics_of(alone.iter().map(|&i| &batch[i]));
         self.set_up(&producer, &topics, deadline)
             .await
             .map_err(|missing| format!("the producer is without {}", missing.what))?;
-        let mut pending = Vec::with_capacity(alone.len());
+        let mut pending = FuturesUnordered::new();
         let mut verdicts: Vec<Option<Verdict>> = vec![None; alone.len()];
         for (n, &i) in alone.iter().enumerate() {
             let (report, delivery) = oneshot::channel();
@@ -139,7 +157,9 @@ impl KafkaPublisher {
                 }
             }
         }
-        for (n, report) in join_all(pending).await {
+        // The answers as they come, until the deadline: what the broker
+        // answered by then stands, the rest goes again.
+        while let Ok(Some((n, report))) = tokio::time::timeout_at(deadline, pending.next()).await {
             verdicts[n] = Some(match report {
                 Ok(Ok((partition, offset))) if offset >= 0 => {
                     Ok(Receipt::Kafka { partition, offset })
@@ -155,7 +175,8 @@ impl KafkaPublisher {
             .map(|v| {
                 v.unwrap_or_else(|| {
                     Err(Rejection::unanswered(
-                        "kafka: not sent alone: an earlier record was refused",
+                        "kafka: refused as too large together with other records; \
+                         not answered when sent alone",
                     ))
                 })
             })

@@ -63,6 +63,9 @@ pub struct KafkaPublisher {
     /// When the relay last warned that a refused record batch was larger
     /// than its topic takes (see `alone`).
     size_warned: std::sync::Mutex<Option<Instant>>,
+    /// The producer that sends records refused together alone, once one
+    /// was needed (see `alone`).
+    alone: std::sync::Mutex<Option<Arc<KafkaProducer>>>,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -87,6 +90,7 @@ impl KafkaPublisher {
             pace: Pace::default(),
             predictable,
             size_warned: std::sync::Mutex::new(None),
+            alone: std::sync::Mutex::new(None),
         })
     }
 
@@ -141,8 +145,8 @@ impl KafkaPublisher {
     }
 
     /// Waits until `producer` is set up to send `topics` at once (see
-    /// `setup`), for up to half the time until `deadline`: the records then
-    /// have the message timeout to be answered in.
+    /// `setup`), for up to half the time until `deadline`, leaving the
+    /// other half for the records' answers.
     async fn set_up(
         &self,
         producer: &KafkaProducer,
@@ -277,8 +281,9 @@ impl KafkaPublisher {
         // one that fell silent while this batch waited).
         let mut answering: Vec<(&str, i32)> = Vec::new();
         let mut without_offset = 0usize;
-        // Whether the broker refused a record for good: an answer, even
-        // when nothing else of the batch was confirmed.
+        // Whether the broker refused a record, for good or for its
+        // batch's size: an answer, even when nothing else of the batch
+        // was confirmed.
         let mut broker_refused = false;
         // Records refused together with the rest of their record batch,
         // for its size: settled by sending each alone.
@@ -367,8 +372,9 @@ impl KafkaPublisher {
             // partition that stays offline, would repeat them without
             // bound. So when some were confirmed, only the unanswered ones
             // go again (their keys wait for them). So too when the broker
-            // refused one for good: sent whole again, the batch would meet
-            // the same refusal forever. When neither, the whole batch
+            // refused one (for good, or with its record batch for size):
+            // sent whole again, the batch would meet the same refusal
+            // forever. When neither, the whole batch
             // failed as in any outage.
             let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(_))));
             if !(confirmed || broker_refused) || without_offset > 0 {

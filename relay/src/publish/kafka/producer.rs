@@ -81,11 +81,16 @@ impl KafkaProducer {
                     // guarantee) the records still queued wait out their
                     // message timeout, though this producer will never
                     // send them. Purged, their batches learn it now and go
-                    // again on a new producer.
-                    if !purged && producer.client().fatal_error().is_some() {
-                        tracing::debug!("kafka producer failed for good; purging its queue");
+                    // again on a new producer. Records of requests in
+                    // flight at the refusal may be queued again after it
+                    // (answered out of sequence), so the queue is purged at
+                    // every poll while the producer lives.
+                    if producer.client().fatal_error().is_some() {
+                        if !purged {
+                            tracing::debug!("kafka producer failed for good; purging its queue");
+                            purged = true;
+                        }
                         producer.purge(PurgeConfig::default().queue());
-                        purged = true;
                     }
                 }
             })
