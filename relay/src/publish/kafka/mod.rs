@@ -79,6 +79,7 @@ impl std::fmt::Debug for KafkaPublisher {
 impl KafkaPublisher {
     /// Creates the producer; fails on an invalid property.
     pub fn new(settings: KafkaSettings) -> Result<Self, KafkaError> {
+        let settings = settings.with_passed_through_timeout();
         let config = settings.client_config();
         let producer = KafkaProducer::new(&config)?;
         let predictable = config.get("partitioner") == Some(silent::PREDICTABLE);

@@ -46,6 +46,23 @@ impl std::fmt::Debug for KafkaSettings {
 }
 
 impl KafkaSettings {
+    /// These settings with `message_timeout` as librdkafka will have it: a
+    /// `message.timeout.ms` (or its alias `delivery.timeout.ms`) passed
+    /// through overrides `--confirm-timeout`, and the relay's own waits
+    /// (silent partitions, pacing, a batch's deadline) must count the same.
+    pub fn with_passed_through_timeout(mut self) -> Self {
+        let passed = self
+            .properties
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "message.timeout.ms" || k == "delivery.timeout.ms")
+            .and_then(|(_, v)| v.trim().parse::<u64>().ok());
+        if let Some(ms) = passed {
+            self.message_timeout = Duration::from_millis(ms);
+        }
+        self
+    }
+
     /// The producer configuration: safe defaults first, pass-through last.
     pub fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
@@ -85,5 +102,45 @@ impl KafkaSettings {
             c.set(k, v);
         }
         c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(properties: &[(&str, &str)]) -> KafkaSettings {
+        KafkaSettings {
+            brokers: "127.0.0.1:9092".into(),
+            properties: properties
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            message_timeout: Duration::from_secs(30),
+        }
+        .with_passed_through_timeout()
+    }
+
+    #[test]
+    fn a_passed_through_message_timeout_is_the_one_the_relay_counts() {
+        assert_eq!(with(&[]).message_timeout, Duration::from_secs(30));
+        let s = with(&[("message.timeout.ms", "1500")]);
+        assert_eq!(s.message_timeout, Duration::from_millis(1500));
+        assert_eq!(
+            s.client_config().get("message.timeout.ms"),
+            Some("1500"),
+            "and librdkafka's"
+        );
+        let alias = with(&[
+            ("message.timeout.ms", "1500"),
+            ("delivery.timeout.ms", "9000"),
+        ]);
+        assert_eq!(
+            alias.message_timeout,
+            Duration::from_millis(9000),
+            "last wins"
+        );
+        let unparsed = with(&[("message.timeout.ms", "soon")]);
+        assert_eq!(unparsed.message_timeout, Duration::from_secs(30));
     }
 }
