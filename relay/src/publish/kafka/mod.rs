@@ -268,7 +268,11 @@ impl KafkaPublisher {
                     // records already queued still get their reports, but the
                     // batch as a whole is retried.
                     let _ = join_all(pending).await;
+                    let stopped = producer.inner.client().fatal_error().is_some();
                     self.recover_if_stuck(producer, Some(&e));
+                    if stopped {
+                        return Err(stopped_at_a_refusal());
+                    }
                     return Err(PublishError::new("kafka: cannot queue record", e));
                 }
             }
@@ -378,6 +382,16 @@ impl KafkaPublisher {
             // forever. When neither, the whole batch
             // failed as in any outage.
             let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(_))));
+            // Purged by a producer that stopped at a refusal, of another
+            // batch's record or a producer-id error: the broker answered,
+            // so it is not an outage; the batch goes again on the new
+            // producer.
+            if !(confirmed || broker_refused || timed_out)
+                && without_offset == 0
+                && producer.inner.client().fatal_error().is_some()
+            {
+                return Err(stopped_at_a_refusal());
+            }
             if !(confirmed || broker_refused) || without_offset > 0 {
                 let alone = (timed_out && handed == 1)
                     .then(|| alone_too_slow(sent, self.settings.message_timeout))
@@ -409,6 +423,9 @@ impl KafkaPublisher {
             )));
         }
         if !too_large.is_empty() {
+            // The refusal stopped the producer: the other workers' batches
+            // get a new one now, not after failing on this one.
+            self.recover_if_stuck(producer, None);
             self.send_alone(batch, &too_large, &mut outcomes, deadline)
                 .await;
         }
@@ -417,6 +434,16 @@ impl KafkaPublisher {
             .map(|o| o.unwrap_or_else(|| Err(Rejection::retryable("no delivery report"))))
             .collect())
     }
+}
+
+/// A batch whose records a stopped producer purged, or would not take:
+/// given back unsent, to go again on the new producer at once, without
+/// the backoff and the "broker down" of an outage.
+fn stopped_at_a_refusal() -> PublishError {
+    PublishError::unsent(
+        "kafka: the producer stopped at a refusal (the gapless guarantee); \
+         the batch goes again on a new producer",
+    )
 }
 
 /// The topics of `batch`, each once, in the order they first appear.
