@@ -17,11 +17,16 @@ use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 const TMP: &str = env!("CARGO_TARGET_TMPDIR");
 const PATIENCE: Duration = Duration::from_secs(120);
 
-/// Runs a 2,000-message workload through a relay producing to `mock`, calling
-/// `fault` once the relay is moving, and checks the outcome: at most
-/// `dead_allowed` dead letters, and the rest delivered. Returns how many
-/// batches failed whole, as in an outage.
-async fn run_with_fault<F>(name: &str, props: &[(&str, &str)], dead_allowed: usize, fault: F) -> u64
+/// Runs a workload of `messages` through a relay producing to `mock`,
+/// calling `fault` once the relay is moving, and checks the outcome: at
+/// most `dead_allowed` dead letters, and the rest delivered. Returns how
+/// many batches failed whole, as in an outage.
+async fn run_with_fault<F>(
+    name: &str,
+    props: &[(&str, &str)],
+    (messages, dead_allowed): (usize, usize),
+    fault: F,
+) -> u64
 where
     F: AsyncFnOnce(&MockCluster<'static, rdkafka::producer::DefaultProducerContext>),
 {
@@ -44,7 +49,7 @@ where
         ..fast_settings()
     };
     let relay = InProcessRelay::kafka(&db, &brokers, props, settings);
-    let spec = Spec::new(&topic, 4, 20, 2_000);
+    let spec = Spec::new(&topic, 4, 20, messages);
     let writers = workload::spawn(&db, spec);
     // The relay's progress, not the consumer's: a consumer still joining
     // its group can see the first records after the writers are done and
@@ -147,7 +152,7 @@ async fn produce_errors(name: &str, err: RDKafkaRespErr) {
     // three duplicates, was seen in one of four runs of this suite, most
     // likely this way.
     let props = [("max.in.flight.requests.per.connection", "1")];
-    run_with_fault(name, &props, 0, async |mock| {
+    run_with_fault(name, &props, (2_000, 0), async |mock| {
         // Every broker fails the next produce requests with `err`; librdkafka
         // retries them (or the relay retries the batch) until they go through.
         mock.request_errors(RDKafkaApiKey::Produce, &[err; 8]);
@@ -174,7 +179,7 @@ async fn size_refusals_amid_a_stream_dead_letter_at_most_a_record_each() {
     const REFUSALS: usize = 6;
     // One request in flight per broker: see `produce_errors`.
     let props = [("max.in.flight.requests.per.connection", "1")];
-    let failed = run_with_fault("size refusals", &props, REFUSALS, async |mock| {
+    let failed = run_with_fault("size refusals", &props, (2_000, REFUSALS), async |mock| {
         refuse_for_size(mock, REFUSALS);
     })
     .await;
@@ -182,6 +187,94 @@ async fn size_refusals_amid_a_stream_dead_letter_at_most_a_record_each() {
     // batches' records in it fail unsent: the broker answered, it is not
     // an outage (an operator's "broker down" alert would fire).
     assert_eq!(failed, 0, "batches failed as in an outage");
+}
+
+/// One fault of [`mixed_faults_seeded`], applied and then lifted.
+#[derive(Debug, Clone, Copy)]
+enum MockFault {
+    /// The next produce requests refused as too large.
+    SizeRefusals(usize),
+    /// The next produce requests failed with this error.
+    ProduceErrors(RDKafkaRespErr, usize),
+    /// A broker down for a while.
+    BrokerDown(i32),
+    /// A broker's answers this late for a while.
+    Late(i32, Duration),
+}
+
+impl MockFault {
+    fn pick(rng: &mut impl rand::Rng) -> MockFault {
+        use RDKafkaRespErr::*;
+        let errors = [
+            RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+            RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
+            RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
+            RD_KAFKA_RESP_ERR_INVALID_PRODUCER_EPOCH,
+            RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID,
+        ];
+        match rng.random_range(0..4) {
+            0 => MockFault::SizeRefusals(rng.random_range(1..=4)),
+            1 => MockFault::ProduceErrors(
+                errors[rng.random_range(0..errors.len())],
+                rng.random_range(1..=8),
+            ),
+            2 => MockFault::BrokerDown(rng.random_range(1..=3)),
+            _ => MockFault::Late(
+                rng.random_range(1..=3),
+                Duration::from_millis(rng.random_range(100..1_500)),
+            ),
+        }
+    }
+}
+
+/// A seeded sequence of mock faults amid a stream: size refusals,
+/// produce errors (producer-id ones among them), a broker down, a broker
+/// answering late, one after another, each for 0.5-2 s. Only a record
+/// refused alone may go to the dead letters, one per size refusal at most;
+/// the rest is delivered, each key in order. `OUTBOX_TEST_SEED` replays a
+/// run.
+#[tokio::test]
+async fn mixed_faults_seeded() {
+    use rand::{Rng, SeedableRng};
+    let seed = outbox_tests::seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let plan: Vec<(MockFault, Duration)> = (0..rng.random_range(4..=7))
+        .map(|_| {
+            let fault = MockFault::pick(&mut rng);
+            (fault, Duration::from_millis(rng.random_range(500..2_000)))
+        })
+        .collect();
+    println!("seed {seed}: {plan:?}");
+    let refusals = plan
+        .iter()
+        .map(|(f, _)| match f {
+            MockFault::SizeRefusals(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    // One request in flight per broker: see `produce_errors`.
+    let props = [("max.in.flight.requests.per.connection", "1")];
+    run_with_fault("mixed faults", &props, (10_000, refusals), async |mock| {
+        for (fault, lasting) in plan {
+            match fault {
+                MockFault::SizeRefusals(n) => refuse_for_size(mock, n),
+                MockFault::ProduceErrors(err, n) => {
+                    mock.request_errors(RDKafkaApiKey::Produce, &vec![err; n]);
+                }
+                MockFault::BrokerDown(b) => mock.broker_down(b).expect("down"),
+                MockFault::Late(b, by) => mock.broker_round_trip_time(b, by).expect("rtt"),
+            }
+            tokio::time::sleep(lasting).await;
+            match fault {
+                MockFault::BrokerDown(b) => mock.broker_up(b).expect("up"),
+                MockFault::Late(b, _) => {
+                    mock.broker_round_trip_time(b, Duration::ZERO).expect("rtt")
+                }
+                _ => {}
+            }
+        }
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -259,7 +352,7 @@ async fn out_of_order_sequence_number() {
 
 #[tokio::test]
 async fn brokers_down_then_up() {
-    run_with_fault("brokers down", &[], 0, async |mock| {
+    run_with_fault("brokers down", &[], (2_000, 0), async |mock| {
         for b in 1..=3 {
             mock.broker_down(b).expect("down");
         }
@@ -278,7 +371,7 @@ async fn round_trips_slower_than_the_message_timeout() {
     run_with_fault(
         "slow round trips",
         &[("message.timeout.ms", "1500")],
-        0,
+        (2_000, 0),
         async |mock| {
             for b in 1..=3 {
                 mock.broker_round_trip_time(b, Duration::from_secs(3))
