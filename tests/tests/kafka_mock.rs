@@ -1115,3 +1115,105 @@ async fn a_record_batch_refused_as_too_large_dead_letters_only_a_record_refused_
     publisher.close().await;
     consumer.stop().await;
 }
+
+/// Records without a key that a size refusal sends again alone go where the
+/// refusal came from. Their first placement passed over a partition the
+/// relay knows silent (its leader takes requests and does not answer them);
+/// placed afresh by librdkafka, which sees nothing wrong with that
+/// partition, all of a moment's records without a key land on one random
+/// partition (its sticky partitioner), so one refusal in four would send
+/// them to the silent one, to wait out the message timeout though the
+/// broker had just answered for them.
+#[tokio::test]
+async fn unkeyed_records_refused_together_go_alone_to_the_partition_that_refused_them() {
+    const ROUNDS: usize = 10;
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(2).expect("mock cluster");
+    let topic = outbox_tests::unique("unkeyed-alone");
+    mock.create_topic(&topic, 4, 1).expect("topic");
+    // Broker 2 alone leads partition 0, broker 1 the others.
+    for partition in 0..4 {
+        let leader = if partition == 0 { 2 } else { 1 };
+        mock.partition_leader(&topic, partition, Some(leader))
+            .expect("leader");
+    }
+    let props = [("message.timeout.ms", "2000"), ("linger.ms", "50")];
+    let (publisher, consumer) = publisher_to(&mock, &props, &topic, 4);
+    let key_for = |p: i32| {
+        (0..)
+            .map(|i| format!("k{i}"))
+            .find(|k| murmur2_partition(k.as_bytes(), 4) == p)
+            .expect("a key")
+    };
+    let one_per_partition = outbox_tests::envelopes(&topic, 4, 1)
+        .into_iter()
+        .enumerate()
+        .map(|(p, mut e)| {
+            e.ordering_key = Some(key_for(p as i32));
+            e
+        })
+        .collect::<Vec<_>>();
+    let first = publisher
+        .publish(&one_per_partition)
+        .await
+        .expect("set-up batch");
+    assert!(first.iter().all(|v| v.is_ok()), "{first:?}");
+
+    // Partition 0 falls silent: its leader takes the record and answers
+    // after the message timeout, while the others are confirmed.
+    mock.broker_round_trip_time(2, Duration::from_secs(30))
+        .expect("broker 2 slow");
+    let verdicts = publisher
+        .publish(&one_per_partition)
+        .await
+        .expect("three of four confirmed");
+    assert!(verdicts[0].is_err(), "{verdicts:?}");
+    assert!(verdicts[1..].iter().all(|v| v.is_ok()), "{verdicts:?}");
+
+    for round in 0..ROUNDS {
+        assert_eq!(
+            publisher
+                .silent_partitions()
+                .iter()
+                .map(|s| s.partition)
+                .collect::<Vec<_>>(),
+            [0],
+            "round {round}"
+        );
+        // Records without a key, placed on partitions 1-3; a request
+        // carrying some of them is refused as too large, and its records
+        // go again alone. (The refusal stops the producer: records of the
+        // other partitions may be purged, and go again later.)
+        refuse_for_size(&mock, 1);
+        let batch: Vec<_> = outbox_tests::envelopes(&topic, 40, 1)
+            .into_iter()
+            .map(|mut e| {
+                e.ordering_key = None;
+                e
+            })
+            .collect();
+        let verdicts = publisher
+            .publish(&batch)
+            .await
+            .expect("the broker answered: not an outage");
+        let on_silent = verdicts
+            .iter()
+            .filter(|v| matches!(v, Ok(Receipt::Kafka { partition: 0, .. })))
+            .count();
+        assert_eq!(on_silent, 0, "round {round}: {verdicts:?}");
+        let alone_unanswered: Vec<_> = verdicts
+            .iter()
+            .filter_map(|v| v.as_ref().err())
+            .filter(|r| r.reason.contains("alone"))
+            .collect();
+        assert!(
+            alone_unanswered.is_empty(),
+            "round {round}: records sent alone after a refusal went unanswered: \
+             {alone_unanswered:?}"
+        );
+    }
+    mock.broker_round_trip_time(2, Duration::ZERO)
+        .expect("broker 2 answers");
+    publisher.close().await;
+    consumer.stop().await;
+}

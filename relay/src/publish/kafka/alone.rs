@@ -35,15 +35,23 @@ use crate::publish::{Envelope, Receipt, Rejection, Verdict};
 
 impl KafkaPublisher {
     /// Settles the records at `refused` (indices into `batch`, which the
-    /// broker refused as too large together) by sending each again alone,
-    /// by `deadline`. A refused record with an earlier record of its key
-    /// not confirmed is not sent: it would go ahead of that record. (A
-    /// later record of its key cannot have been confirmed: a broker that
-    /// checks idempotent sequence numbers refuses it out of sequence.)
+    /// broker refused as too large together, each with the partition that
+    /// refused it) by sending each again alone, to that partition, by
+    /// `deadline`. A refused record with an earlier record of its key not
+    /// confirmed is not sent: it would go ahead of that record. (A later
+    /// record of its key cannot have been confirmed: a broker that checks
+    /// idempotent sequence numbers refuses it out of sequence.)
+    ///
+    /// The partition is the one its key maps to, and for a record without
+    /// a key one the relay placed it on, passing over silent partitions
+    /// (see `silent`): placed afresh by librdkafka, which sees nothing wrong
+    /// with a partition whose leader takes requests and never answers,
+    /// every record without a key sent in the same moment would land on one
+    /// random partition, the silent one among them.
     pub(super) async fn send_alone(
         &self,
         batch: &[Envelope],
-        refused: &[usize],
+        refused: &[(usize, i32)],
         outcomes: &mut [Option<Verdict>],
         deadline: Instant,
     ) {
@@ -51,14 +59,14 @@ impl KafkaPublisher {
         let mut alone = Vec::new();
         for (i, env) in batch.iter().enumerate() {
             let key = env.ordering_key.as_deref();
-            if refused.contains(&i) {
+            if let Some(&(_, partition)) = refused.iter().find(|r| r.0 == i) {
                 if key.is_some_and(|k| waiting.contains(k)) {
                     outcomes[i] = Some(Err(Rejection::unanswered(
                         "kafka: refused as too large together with other records; \
                          to be sent alone after an earlier record of its key",
                     )));
                 } else {
-                    alone.push(i);
+                    alone.push((i, partition));
                 }
             } else if !matches!(outcomes[i], Some(Ok(_))) {
                 if let Some(k) = key {
@@ -96,7 +104,7 @@ impl KafkaPublisher {
                  the topic's max.message.bytes"
             );
         }
-        for (i, verdict) in alone.into_iter().zip(verdicts) {
+        for ((i, _), verdict) in alone.into_iter().zip(verdicts) {
             outcomes[i] = Some(verdict);
         }
     }
@@ -129,26 +137,31 @@ impl KafkaPublisher {
         Ok(producer)
     }
 
-    /// Sends `batch[i]` for each of `alone` on a producer that puts one
+    /// Sends `batch[i]` to partition `p` (librdkafka's choice when
+    /// negative) for each `(i, p)` of `alone`, on a producer that puts one
     /// record in each request, and returns their verdicts in that order,
     /// as far as the broker answered by `deadline`; an error when that
     /// producer cannot be set up by half the time until then.
     async fn produce_alone(
         &self,
         batch: &[Envelope],
-        alone: &[usize],
+        alone: &[(usize, i32)],
         deadline: Instant,
     ) -> Result<Vec<Verdict>, String> {
         let producer = self.alone_producer()?;
-        let topics = topics_of(alone.iter().map(|&i| &batch[i]));
+        let topics = topics_of(alone.iter().map(|&(i, _)| &batch[i]));
         self.set_up(&producer, &topics, deadline)
             .await
             .map_err(|missing| format!("the producer is without {}", missing.what))?;
         let mut pending = FuturesUnordered::new();
         let mut verdicts: Vec<Option<Verdict>> = vec![None; alone.len()];
-        for (n, &i) in alone.iter().enumerate() {
+        for (n, &(i, partition)) in alone.iter().enumerate() {
             let (report, delivery) = oneshot::channel();
-            match producer.inner.send(self.record(&batch[i], report)) {
+            let mut record = self.record(&batch[i], report);
+            if partition >= 0 {
+                record = record.partition(partition);
+            }
+            match producer.inner.send(record) {
                 Ok(()) => pending.push(async move { (n, delivery.await) }),
                 Err((e, _)) => {
                     verdicts[n] = Some(Err(self.refused_alone(&e)));

@@ -291,7 +291,8 @@ impl KafkaPublisher {
         // was confirmed.
         let mut broker_refused = false;
         // Records refused together with the rest of their record batch,
-        // for its size: settled by sending each alone.
+        // for its size, with the partition that refused them: settled by
+        // sending each alone.
         let mut too_large = Vec::new();
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
@@ -324,9 +325,9 @@ impl KafkaPublisher {
                     continue;
                 }
                 Ok(Ok((partition, offset))) => Ok(Receipt::Kafka { partition, offset }),
-                Ok(Err((e, _))) if e.rdkafka_error_code().is_some_and(is_size_refusal) => {
+                Ok(Err((e, partition))) if e.rdkafka_error_code().is_some_and(is_size_refusal) => {
                     broker_refused = true;
-                    too_large.push(i);
+                    too_large.push((i, partition));
                     continue;
                 }
                 Ok(Err((e, partition))) => match rejection(&e) {
