@@ -281,6 +281,110 @@ async fn unroutable_and_missing_exchanges_keep_the_row_and_do_not_block_others()
     db.cleanup().await;
 }
 
+/// An exchange deleted while the relay publishes to it: an auto-delete
+/// exchange whose last binding went, a topology torn down and declared
+/// again. RabbitMQ answers a publish to it by closing the channel under
+/// the rest of the batch. That is an answer about one exchange, not an
+/// outage: no batch may fail as one (backing off, reporting the broker
+/// down), the exchange's messages wait with an error naming it, and the
+/// messages of other exchanges in the same batches are delivered.
+#[tokio::test]
+async fn an_exchange_deleted_mid_stream_holds_back_only_its_own_messages() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let doomed = outbox_tests::unique("doomed");
+    amqp::declare_unbound_exchange(&doomed).await;
+    amqp::bind_fixture_queue(&rabbit, &doomed).await;
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+    let outbox = db.outbox();
+    let message = |exchange: &str, key: String, i: usize| {
+        Message::builder(exchange)
+            .key(key)
+            .json(&i)
+            .build()
+            .expect("valid")
+    };
+    // Both exchanges used, so the relay has seen both exist.
+    let warm_up: Vec<Message> = (0..100)
+        .map(|i| {
+            let exchange = if i % 2 == 0 {
+                &doomed
+            } else {
+                &rabbit.exchange
+            };
+            message(exchange, format!("w{}", i % 10), i)
+        })
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &warm_up)
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 100 }).await,
+        "nothing flows"
+    );
+
+    amqp::delete_exchange(&doomed).await;
+    // One message in ten for the deleted exchange, spread through every
+    // batch.
+    let (mut good, mut held) = (0, 0);
+    for chunk in 0..10 {
+        let stream: Vec<Message> = (0..200)
+            .map(|n| {
+                let i = chunk * 200 + n;
+                if i % 10 == 0 {
+                    held += 1;
+                    message(&doomed, format!("d{}", i % 3), i)
+                } else {
+                    good += 1;
+                    message(&rabbit.exchange, format!("k{}", i % 20), i)
+                }
+            })
+            .collect();
+        outbox
+            .enqueue_batch(&db.client, &stream)
+            .await
+            .expect("enqueue");
+    }
+    assert!(
+        eventually(PATIENCE, || async { rabbit.count() >= 100 + good }).await,
+        "{} of {good} messages of the other exchange arrived",
+        rabbit.count() - 100
+    );
+    let named = format!(
+        "SELECT count(*) FROM {} WHERE last_error LIKE '%does not exist%'",
+        db.table()
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            db.client
+                .query_one(&named, &[])
+                .await
+                .expect("count")
+                .get::<_, i64>(0)
+                > 0
+        })
+        .await,
+        "no row of the deleted exchange names why it waits"
+    );
+    assert_eq!(
+        db.pending().await,
+        held,
+        "only the deleted exchange's rows wait"
+    );
+    let failed = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
+    assert_eq!(
+        failed, 0,
+        "batches failed as in an outage, though the broker answered about one exchange"
+    );
+    relay.stop().await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
 /// With the trigger off, polling alone delivers; with it on, NOTIFY alone does.
 #[tokio::test]
 async fn notify_switch_and_polling_fallback() {

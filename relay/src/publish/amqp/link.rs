@@ -273,6 +273,16 @@ impl Broker {
         }
     }
 
+    /// Forgets that the exchanges of `batch` were seen to exist: one of
+    /// them was deleted since, and which one the broker's reason names only
+    /// in prose. The next batch checks them again.
+    pub(super) async fn forget_exchanges(&self, batch: &[Envelope]) {
+        let mut seen = self.exchanges_seen.lock().await;
+        for env in batch {
+            seen.remove(env.amqp_exchange());
+        }
+    }
+
     /// The exchanges of `batch` not seen to exist lately.
     async fn exchanges_to_check(&self, batch: &[Envelope]) -> Vec<String> {
         let now = Instant::now();

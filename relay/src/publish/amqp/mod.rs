@@ -29,7 +29,8 @@ use super::pace::{alone_too_slow, Pace};
 use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
 use link::{Broker, Prepared};
 use wire::{
-    check_header_frame, correlate, correlate_cut, properties, size_limit_from, Answer, Returned,
+    check_header_frame, correlate, correlate_cut, is_not_found, properties, size_limit_from,
+    Answer, Returned,
 };
 
 mod link;
@@ -119,6 +120,51 @@ impl AmqpPublisher {
     pub fn with_cloudevents(mut self, cloudevents: CloudEvents) -> Self {
         self.cloudevents = Some(cloudevents);
         self
+    }
+
+    /// The verdicts of a batch whose channel RabbitMQ closed because an
+    /// exchange of it does not exist (`gone`, the broker's reason). What it
+    /// confirmed before the close stands (the confirms that arrived by
+    /// then, as for a lost connection); the rest goes again unanswered,
+    /// without an attempt counted. Its exchanges are checked again before
+    /// the next batch that names them, which then refuses the messages of
+    /// the missing one alone, and the others flow.
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange_gone<P>(
+        &self,
+        batch: &[Envelope],
+        gone: &str,
+        mut outcomes: Vec<Option<Verdict>>,
+        sent: &[(usize, String)],
+        mut answers: Vec<Option<Answer>>,
+        mut pending: P,
+        channel: &lapin::Channel,
+    ) -> Result<Vec<Verdict>, PublishError>
+    where
+        P: futures::Stream<Item = (usize, Answer)> + Unpin,
+    {
+        self.broker.forget_exchanges(batch).await;
+        tracing::warn!(
+            reason = gone,
+            "rabbitmq closed the channel: an exchange of the batch does not exist; \
+             checking the batch's exchanges again"
+        );
+        let trusted: Vec<bool> = answers.iter().map(Option::is_some).collect();
+        let _ = channel.wait_for_confirms().now_or_never();
+        while let Some(Some((j, answer))) = pending.next().now_or_never() {
+            if matches!(answer, Answer::Confirmed { .. }) {
+                answers[j] = Some(answer);
+            }
+        }
+        drop(pending);
+        for (i, outcome) in correlate_cut(sent, answers, &trusted)? {
+            outcomes[i] = Some(outcome);
+        }
+        let reason = format!("rabbitmq closed the channel: {gone}");
+        Ok(outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Rejection::unanswered(reason.clone()))))
+            .collect())
     }
 }
 
@@ -372,6 +418,20 @@ impl Publisher for AmqpPublisher {
         handed.done = true;
         if let Some(e) = &lost {
             self.learn_size_limit(e);
+        }
+        // RabbitMQ closes the channel at a publish to an exchange that does
+        // not exist: one of the batch's exchanges was deleted since it was
+        // last checked (an auto-delete exchange whose last binding went, a
+        // topology torn down). That is an answer, not an outage.
+        let gone = [lost.as_ref(), failed.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(|e| is_not_found(e))
+            .map(ToString::to_string);
+        if let Some(gone) = gone {
+            return self
+                .exchange_gone(batch, &gone, outcomes, &sent, answers, pending, &channel)
+                .await;
         }
         if let Some(e) = failed {
             // A channel the broker closed mid-batch fails the publishes after
