@@ -385,6 +385,115 @@ async fn an_exchange_deleted_mid_stream_holds_back_only_its_own_messages() {
     db.cleanup().await;
 }
 
+/// A destination the relay's user may not write to: a new exchange whose
+/// permission was forgotten. RabbitMQ answers a publish there by closing
+/// the channel with ACCESS_REFUSED, under every other message of the batch.
+/// Only that exchange's messages may wait, with an error naming why; the
+/// messages of other exchanges, in the same batches, are delivered, and no
+/// batch fails as in an outage.
+#[tokio::test]
+async fn an_exchange_the_relay_may_not_write_to_holds_back_only_its_own_messages() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let forbidden = outbox_tests::unique("forbidden");
+    amqp::declare_unbound_exchange(&forbidden).await;
+    amqp::bind_fixture_queue(&rabbit, &forbidden).await;
+    // A user that may write to every exchange but that one.
+    let user = outbox_tests::unique("relay");
+    amqp::rabbitmqctl(&["add_user", &user, "secret"]).await;
+    amqp::rabbitmqctl(&[
+        "set_permissions",
+        "-p",
+        "/",
+        &user,
+        ".*",
+        &format!("^(?!{forbidden}$).*"),
+        ".*",
+    ])
+    .await;
+    let publisher = AmqpPublisher::new(AmqpSettings {
+        url: format!("amqp://{user}:secret@127.0.0.1:5672/%2f"),
+        confirm_timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(5),
+        ca_pem: None,
+    });
+    // Attempts enough to outlast the wait below: each refusal counts one.
+    let settings = outbox_relay::Settings {
+        max_attempts: 1_000,
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, publisher, settings);
+    let outbox = db.outbox();
+    let (mut good, mut held) = (0, 0);
+    for chunk in 0..10 {
+        let stream: Vec<Message> = (0..200)
+            .map(|n| {
+                let i = chunk * 200 + n;
+                let (exchange, key) = if i % 10 == 0 {
+                    held += 1;
+                    (&forbidden, format!("f{}", i % 3))
+                } else {
+                    good += 1;
+                    (&rabbit.exchange, format!("k{}", i % 20))
+                };
+                Message::builder(exchange.as_str())
+                    .key(key)
+                    .json(&i)
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        outbox
+            .enqueue_batch(&db.client, &stream)
+            .await
+            .expect("enqueue");
+    }
+    let arrived = eventually(PATIENCE, || async { rabbit.count() >= good }).await;
+    let failed = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
+    let named = format!(
+        "SELECT count(*) FROM {} WHERE last_error LIKE '%ACCESS_REFUSED%'",
+        db.table()
+    );
+    let named: i64 = db
+        .client
+        .query_one(&named, &[])
+        .await
+        .expect("count")
+        .get(0);
+    let pending = db.pending().await;
+    // Granted, the exchange is tried again (within 30 s) and its messages
+    // go.
+    amqp::rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]).await;
+    let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
+    let delivered = rabbit.count();
+    relay.stop().await;
+    amqp::rabbitmqctl(&["delete_user", &user]).await;
+    amqp::delete_exchange(&forbidden).await;
+    assert!(
+        arrived,
+        "{} of {good} messages of the other exchange arrived",
+        rabbit.count()
+    );
+    assert_eq!(pending, held, "only the forbidden exchange's rows wait");
+    assert!(named > 0, "no waiting row names why");
+    assert_eq!(
+        failed, 0,
+        "batches failed as in an outage, though the broker answered about one exchange"
+    );
+    assert!(
+        drained && delivered >= good + held as usize,
+        "once granted, the exchange's messages were not all delivered: {delivered} of {} \
+         delivered, {} rows left",
+        good + held as usize,
+        db.pending().await
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
 /// With the trigger off, polling alone delivers; with it on, NOTIFY alone does.
 #[tokio::test]
 async fn notify_switch_and_polling_fallback() {

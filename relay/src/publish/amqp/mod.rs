@@ -11,7 +11,7 @@
 //! use (and again after a while), and messages for a missing exchange are
 //! rejected one by one while the rest of the batch flows.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
@@ -29,8 +29,8 @@ use super::pace::{alone_too_slow, Pace};
 use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
 use link::{Broker, Prepared};
 use wire::{
-    check_header_frame, correlate, correlate_cut, is_not_found, properties, size_limit_from,
-    Answer, Returned,
+    check_header_frame, correlate, correlate_cut, is_access_refused, is_not_found, properties,
+    refused_exchange, size_limit_from, Answer, Returned,
 };
 
 mod link;
@@ -89,6 +89,11 @@ pub struct AmqpPublisher {
     origin: Instant,
     /// The batch size a slow link can confirm in time.
     pace: Pace,
+    /// Exchanges the broker refused the relay's user access to (a channel
+    /// closed with ACCESS_REFUSED), with when and its reason: their
+    /// messages are refused here until [`EXCHANGE_CHECK_TTL`] has passed,
+    /// then a batch tries again.
+    refused_exchanges: std::sync::Mutex<HashMap<String, (Instant, String)>>,
 }
 
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
@@ -112,6 +117,7 @@ impl AmqpPublisher {
             progress: AtomicU64::new(0),
             origin: Instant::now(),
             pace: Pace::default(),
+            refused_exchanges: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -122,18 +128,64 @@ impl AmqpPublisher {
         self
     }
 
-    /// The verdicts of a batch whose channel RabbitMQ closed because an
-    /// exchange of it does not exist (`gone`, the broker's reason). What it
-    /// confirmed before the close stands (the confirms that arrived by
-    /// then, as for a lost connection); the rest goes again unanswered,
-    /// without an attempt counted. Its exchanges are checked again before
-    /// the next batch that names them, which then refuses the messages of
-    /// the missing one alone, and the others flow.
-    #[allow(clippy::too_many_arguments)]
-    async fn exchange_gone<P>(
+    /// The exchanges of `batch` whose messages are refused here, each
+    /// with the reason for its rows: the broker refused the relay's user
+    /// access to it less than [`EXCHANGE_CHECK_TTL`] ago.
+    fn barred_exchanges(&self, batch: &[Envelope]) -> HashMap<String, String> {
+        let mut barred = self
+            .refused_exchanges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if barred.is_empty() {
+            return HashMap::new();
+        }
+        barred.retain(|_, (at, _)| at.elapsed() < EXCHANGE_CHECK_TTL);
+        batch
+            .iter()
+            .filter_map(|env| {
+                let x = env.amqp_exchange();
+                barred
+                    .get(x)
+                    .map(|(_, reason)| (x.to_owned(), reason.clone()))
+            })
+            .collect()
+    }
+
+    /// Bars the exchange of `batch` that an ACCESS_REFUSED channel close
+    /// names in `reason`; false when it names none of them and the batch
+    /// has several.
+    fn bar_exchange(&self, batch: &[Envelope], reason: &str) -> bool {
+        let Some(exchange) = refused_exchange(reason, batch.iter().map(Envelope::amqp_exchange))
+        else {
+            return false;
+        };
+        tracing::warn!(
+            exchange,
+            reason,
+            "rabbitmq refused the relay's user access to an exchange; its messages wait, \
+             the others go on"
+        );
+        let row = format!(
+            "rabbitmq refused the relay's user access to exchange {exchange:?}; its messages \
+             wait until it is granted (tried again every {EXCHANGE_CHECK_TTL:?}): {reason}"
+        );
+        self.refused_exchanges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(exchange.to_owned(), (Instant::now(), row));
+        true
+    }
+
+    /// The verdicts of a batch whose channel RabbitMQ closed for an
+    /// exchange of it (`closed`, the broker's reason): one that does not
+    /// exist, or that the relay may not write to. What it confirmed before
+    /// the close stands (the confirms that arrived by then, as for a lost
+    /// connection); the rest goes again unanswered, without an attempt
+    /// counted. The next batch refuses the messages of that exchange alone
+    /// (checked again, or barred), and the others flow.
+    async fn closed_about_an_exchange<P>(
         &self,
-        batch: &[Envelope],
-        gone: &str,
+        closed: &str,
         mut outcomes: Vec<Option<Verdict>>,
         sent: &[(usize, String)],
         mut answers: Vec<Option<Answer>>,
@@ -143,11 +195,10 @@ impl AmqpPublisher {
     where
         P: futures::Stream<Item = (usize, Answer)> + Unpin,
     {
-        self.broker.forget_exchanges(batch).await;
         tracing::warn!(
-            reason = gone,
-            "rabbitmq closed the channel: an exchange of the batch does not exist; \
-             checking the batch's exchanges again"
+            reason = closed,
+            "rabbitmq closed the channel over an exchange of the batch; the batch's other \
+             messages go again"
         );
         let trusted: Vec<bool> = answers.iter().map(Option::is_some).collect();
         let _ = channel.wait_for_confirms().now_or_never();
@@ -160,7 +211,7 @@ impl AmqpPublisher {
         for (i, outcome) in correlate_cut(sent, answers, &trusted)? {
             outcomes[i] = Some(outcome);
         }
-        let reason = format!("rabbitmq closed the channel: {gone}");
+        let reason = format!("rabbitmq closed the channel: {closed}");
         Ok(outcomes
             .into_iter()
             .map(|o| o.unwrap_or_else(|| Err(Rejection::unanswered(reason.clone()))))
@@ -250,6 +301,7 @@ impl Publisher for AmqpPublisher {
             done: false,
         };
 
+        let barred = self.barred_exchanges(batch);
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         // Keys with a message refused here: their later messages are not sent
         // (they wait for the refused one, like after a broker refusal).
@@ -274,6 +326,8 @@ impl Publisher for AmqpPublisher {
                 Err(Rejection::retryable(format!(
                     "exchange {exchange:?} does not exist"
                 )))
+            } else if let Some(reason) = barred.get(exchange) {
+                Err(Rejection::retryable(reason.clone()))
             } else if let Some(r) = self.refuse_locally(env) {
                 Err(r)
             } else {
@@ -420,18 +474,29 @@ impl Publisher for AmqpPublisher {
             self.learn_size_limit(e);
         }
         // RabbitMQ closes the channel at a publish to an exchange that does
-        // not exist: one of the batch's exchanges was deleted since it was
-        // last checked (an auto-delete exchange whose last binding went, a
-        // topology torn down). That is an answer, not an outage.
-        let gone = [lost.as_ref(), failed.as_ref()]
+        // not exist (one of the batch's was deleted since it was last
+        // checked: an auto-delete exchange whose last binding went, a
+        // topology torn down), or that the relay's user may not write to
+        // (a new destination whose permission was forgotten). Either is an
+        // answer about one exchange, not an outage, and must not hold up
+        // the batch's other exchanges.
+        let closed = [lost.as_ref(), failed.as_ref()]
             .into_iter()
             .flatten()
-            .find(|e| is_not_found(e))
-            .map(ToString::to_string);
-        if let Some(gone) = gone {
-            return self
-                .exchange_gone(batch, &gone, outcomes, &sent, answers, pending, &channel)
-                .await;
+            .find(|e| is_not_found(e) || is_access_refused(e));
+        if let Some(e) = closed {
+            let reason = e.to_string();
+            let understood = if is_not_found(e) {
+                self.broker.forget_exchanges(batch).await;
+                true
+            } else {
+                self.bar_exchange(batch, &reason)
+            };
+            if understood {
+                return self
+                    .closed_about_an_exchange(&reason, outcomes, &sent, answers, pending, &channel)
+                    .await;
+            }
         }
         if let Some(e) = failed {
             // A channel the broker closed mid-batch fails the publishes after

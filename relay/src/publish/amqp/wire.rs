@@ -16,6 +16,39 @@ pub(super) fn is_not_found(e: &lapin::Error) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404)
 }
 
+pub(super) fn is_access_refused(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403)
+}
+
+/// The exchange of `exchanges` (a batch's, `""` for the default) that
+/// RabbitMQ's ACCESS_REFUSED `reason` names: "access to exchange 'x' in
+/// vhost '/' refused for user 'u'". The name is read from prose, so it
+/// must be one of the batch's; failing that, the batch's only exchange.
+pub(super) fn refused_exchange<'x>(
+    reason: &str,
+    exchanges: impl Iterator<Item = &'x str> + Clone,
+) -> Option<&'x str> {
+    let named = reason
+        .split_once("exchange '")
+        .and_then(|(_, rest)| rest.rsplit_once("' in vhost '"))
+        .map(|(name, _)| name);
+    fn as_named(x: &str) -> &str {
+        if x.is_empty() {
+            "amq.default"
+        } else {
+            x
+        }
+    }
+    if let Some(name) = named {
+        if let Some(x) = exchanges.clone().find(|x| as_named(x) == name) {
+            return Some(x);
+        }
+    }
+    let mut distinct = exchanges;
+    let first = distinct.next()?;
+    distinct.all(|x| x == first).then_some(first)
+}
+
 pub(super) fn properties(
     env: &Envelope,
     cloudevents: Option<&CloudEvents>,
@@ -222,6 +255,31 @@ pub(super) fn size_limit_from(error: &lapin::Error) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_refused_exchange_is_read_from_the_reason_and_must_be_the_batchs() {
+        let reason = |x: &str| {
+            format!(
+                "protocol error: AMQP hard error: ACCESS-REFUSED: ACCESS_REFUSED - access to \
+                 exchange '{x}' in vhost '/' refused for user 'relay'"
+            )
+        };
+        let batch = ["orders", "it's in vhost 'x", "", "orders"];
+        let of = |r: &str| refused_exchange(r, batch.iter().copied());
+        assert_eq!(of(&reason("orders")), Some("orders"));
+        assert_eq!(of(&reason("it's in vhost 'x")), Some("it's in vhost 'x"));
+        assert_eq!(of(&reason("amq.default")), Some(""));
+        // Named, but not in the batch; or not named, several exchanges.
+        assert_eq!(of(&reason("elsewhere")), None);
+        assert_eq!(of("ACCESS_REFUSED"), None);
+        // One exchange in the batch: that one, whatever the prose says.
+        let one = ["orders", "orders"];
+        assert_eq!(
+            refused_exchange("ACCESS_REFUSED", one.iter().copied()),
+            Some("orders")
+        );
+        assert_eq!(refused_exchange("", std::iter::empty()), None);
+    }
 
     fn with_header(len: usize) -> BasicProperties {
         let mut headers = FieldTable::default();
