@@ -1217,3 +1217,101 @@ async fn unkeyed_records_refused_together_go_alone_to_the_partition_that_refused
     publisher.close().await;
     consumer.stop().await;
 }
+
+/// A topic the relay may not write to (an ACL forgotten for a new
+/// destination): its rows wait with an error naming why, counting
+/// attempts, and the other topic's records, in the same batches, flow,
+/// without batches failing as in an outage.
+#[tokio::test]
+async fn a_topic_the_relay_may_not_write_to_holds_back_only_its_own_rows() {
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    let brokers = mock.bootstrap_servers();
+    let topic = outbox_tests::unique("allowed");
+    let forbidden = outbox_tests::unique("forbidden");
+    mock.create_topic(&topic, 2, 1).expect("topic");
+    mock.create_topic(&forbidden, 2, 1).expect("topic");
+    mock.topic_error(
+        &forbidden,
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+    )
+    .expect("topic error");
+    let consumer = Fixture::consume(&brokers, &topic, 2);
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        max_attempts: 1_000,
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::kafka(&db, &brokers, &[], settings);
+    let outbox = db.outbox();
+    let (mut good, mut held) = (0usize, 0i64);
+    for chunk in 0..10 {
+        let stream: Vec<outbox_client::Message> = (0..200)
+            .map(|n| {
+                let i = chunk * 200 + n;
+                let (to, key) = if i % 10 == 0 {
+                    held += 1;
+                    (&forbidden, format!("f{}", i % 3))
+                } else {
+                    good += 1;
+                    (&topic, format!("k{}", i % 20))
+                };
+                outbox_client::Message::builder(to.as_str())
+                    .key(key)
+                    .json(&i)
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        outbox
+            .enqueue_batch(&db.client, &stream)
+            .await
+            .expect("enqueue");
+    }
+    let arrived = eventually(PATIENCE, || async { consumer.count() >= good }).await;
+    let named = format!(
+        "SELECT count(*) FROM {} WHERE last_error LIKE '%uthorization%'",
+        db.table()
+    );
+    let named = eventually(PATIENCE, || async {
+        db.client
+            .query_one(&named, &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+            > 0
+    })
+    .await;
+    let failed = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
+    let pending = db.pending().await;
+    let errors: Vec<Option<String>> = db
+        .column(&format!("SELECT DISTINCT last_error FROM {}", db.table()))
+        .await;
+    // Granted, its rows go.
+    let granted = std::time::Instant::now();
+    mock.topic_error(&forbidden, RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR)
+        .expect("topic error cleared");
+    let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
+    println!("drained {drained} {:?} after the grant", granted.elapsed());
+    let count = consumer.count();
+    relay.stop().await;
+    consumer.stop().await;
+    assert!(
+        arrived,
+        "{count} of {good} records of the other topic arrived"
+    );
+    assert_eq!(pending, held, "only the forbidden topic's rows wait");
+    // A refused key's head names why; its later rows wait behind it.
+    assert!(named, "no waiting row names why: {errors:?}");
+    assert_eq!(
+        failed, 0,
+        "batches failed as in an outage, though the broker answered about one topic"
+    );
+    assert!(
+        drained,
+        "once granted, the topic's rows were not all published"
+    );
+    db.cleanup().await;
+}
