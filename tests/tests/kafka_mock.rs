@@ -192,8 +192,9 @@ async fn size_refusals_amid_a_stream_dead_letter_at_most_a_record_each() {
 /// One fault of [`mixed_faults_seeded`], applied and then lifted.
 #[derive(Debug, Clone, Copy)]
 enum MockFault {
-    /// The next produce requests refused as too large.
-    SizeRefusals(usize),
+    /// The next produce requests refused whole: as too large, or as
+    /// invalid.
+    Refusals(RDKafkaRespErr, usize),
     /// The next produce requests failed with this error.
     ProduceErrors(RDKafkaRespErr, usize),
     /// A broker down for a while.
@@ -213,7 +214,13 @@ impl MockFault {
             RD_KAFKA_RESP_ERR_UNKNOWN_PRODUCER_ID,
         ];
         match rng.random_range(0..4) {
-            0 => MockFault::SizeRefusals(rng.random_range(1..=4)),
+            0 => MockFault::Refusals(
+                [
+                    RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
+                    RD_KAFKA_RESP_ERR_INVALID_RECORD,
+                ][rng.random_range(0..2)],
+                rng.random_range(1..=4),
+            ),
             1 => MockFault::ProduceErrors(
                 errors[rng.random_range(0..errors.len())],
                 rng.random_range(1..=8),
@@ -227,10 +234,11 @@ impl MockFault {
     }
 }
 
-/// A seeded sequence of mock faults amid a stream: size refusals,
-/// produce errors (producer-id ones among them), a broker down, a broker
-/// answering late, one after another, each for 0.5-2 s. Only a record
-/// refused alone may go to the dead letters, one per size refusal at most;
+/// A seeded sequence of mock faults amid a stream: refusals of whole
+/// requests (as too large, or as invalid), produce errors (producer-id
+/// ones among them), a broker down, a broker answering late, one after
+/// another, each for 0.5-2 s. Only a record
+/// refused alone may go to the dead letters, one per refusal at most;
 /// the rest is delivered, each key in order. `OUTBOX_TEST_SEED` replays a
 /// run.
 #[tokio::test]
@@ -248,7 +256,7 @@ async fn mixed_faults_seeded() {
     let refusals = plan
         .iter()
         .map(|(f, _)| match f {
-            MockFault::SizeRefusals(n) => *n,
+            MockFault::Refusals(_, n) => *n,
             _ => 0,
         })
         .sum();
@@ -257,7 +265,9 @@ async fn mixed_faults_seeded() {
     run_with_fault("mixed faults", &props, (10_000, refusals), async |mock| {
         for (fault, lasting) in plan {
             match fault {
-                MockFault::SizeRefusals(n) => refuse_for_size(mock, n),
+                MockFault::Refusals(err, n) => {
+                    mock.request_errors(RDKafkaApiKey::Produce, &vec![err; n]);
+                }
                 MockFault::ProduceErrors(err, n) => {
                     mock.request_errors(RDKafkaApiKey::Produce, &vec![err; n]);
                 }
@@ -1019,6 +1029,25 @@ async fn a_refusal_with_nothing_confirmed_is_an_answer_not_an_outage() {
 /// and no key's order breaks.
 #[tokio::test]
 async fn a_record_batch_refused_as_too_large_dead_letters_only_a_record_refused_alone() {
+    a_refused_record_batch_dead_letters_only_a_record_refused_alone(
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
+    )
+    .await;
+}
+
+/// A broker refuses a whole record batch as INVALID_RECORD for one record
+/// in it: one without a key on a compacted topic, one whose timestamp is
+/// further off than the topic's `message.timestamp.difference.max.ms`.
+/// The records that are fine must not go to the dead letters with it.
+#[tokio::test]
+async fn a_record_batch_refused_as_invalid_dead_letters_only_a_record_refused_alone() {
+    a_refused_record_batch_dead_letters_only_a_record_refused_alone(
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_RECORD,
+    )
+    .await;
+}
+
+async fn a_refused_record_batch_dead_letters_only_a_record_refused_alone(err: RDKafkaRespErr) {
     outbox_tests::init_logging();
     let mock = MockCluster::new(1).expect("mock cluster");
     let topic = outbox_tests::unique("too-large");
@@ -1048,7 +1077,7 @@ async fn a_record_batch_refused_as_too_large_dead_letters_only_a_record_refused_
         .collect();
     // The record batch of all six is refused; then the first request of
     // one record, k0's first, is refused too.
-    refuse_for_size(&mock, 2);
+    mock.request_errors(RDKafkaApiKey::Produce, &[err; 2]);
     let verdicts = publisher
         .publish(&batch)
         .await
@@ -1062,7 +1091,7 @@ async fn a_record_batch_refused_as_too_large_dead_letters_only_a_record_refused_
     assert_eq!(
         dead,
         [0],
-        "only the record refused alone is too large: {verdicts:?}"
+        "only the record refused alone is a dead letter: {verdicts:?}"
     );
     // The rest are delivered now, or go again with a later batch (each
     // key's order kept), as the relay's settle would send them.

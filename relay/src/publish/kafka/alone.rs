@@ -1,4 +1,5 @@
-//! Records the broker refused as too large, sent again one per request.
+//! Records the broker refused together, as too large or invalid, sent
+//! again one per request.
 //!
 //! Kafka checks a topic's `max.message.bytes` (and its segment size)
 //! against a whole record batch, not one record: librdkafka puts many
@@ -6,13 +7,17 @@
 //! refusal covers every record in it. librdkafka does not split a refused
 //! batch. So a refusal says only that one of its records, or their sum,
 //! was too large; which one, the relay cannot tell. Its batch may even have
-//! held records of other workers' batches, which share the producer.
+//! held records of other workers' batches, which share the producer. So too
+//! InvalidRecord: one record without a key on a compacted topic, or with a
+//! timestamp further off than the topic allows, and the broker refuses its
+//! whole record batch (naming the record only in a field librdkafka does
+//! not pass on).
 //!
-//! Dead-lettering them all would take records that fit out of the stream.
-//! Instead they go again on a producer of their own that puts one record in
-//! each batch (`batch.num.messages=1`), kept for the next refusal once made.
-//! A record refused there is too large by itself and goes to the dead
-//! letters; the others are delivered. Like the main producer it keeps the
+//! Dead-lettering them all would take records that are fine out of the
+//! stream. Instead they go again on a producer of their own that puts one
+//! record in each batch (`batch.num.messages=1`), kept for the next refusal
+//! once made. A record refused there is refused for itself and goes to the
+//! dead letters; the others are delivered. Like the main producer it keeps the
 //! gapless guarantee: a refusal stops it (the next refusal gets a new one),
 //! and the records behind the refused one, unsent, go again with the next
 //! batch. What the broker has not answered by the batch's deadline goes
@@ -29,15 +34,15 @@ use rdkafka::producer::Producer;
 use tokio::time::Instant;
 
 use super::producer::KafkaProducer;
-use super::record::is_size_refusal;
+use super::record::is_batch_refusal;
 use super::{topics_of, KafkaPublisher};
 use crate::publish::{Envelope, Receipt, Rejection, Verdict};
 
 impl KafkaPublisher {
     /// Settles the records at `refused` (indices into `batch`, which the
-    /// broker refused as too large together, each with the partition that
-    /// refused it) by sending each again alone, to that partition, by
-    /// `deadline`. A refused record with an earlier record of its key not
+    /// broker refused together, as too large when `for_size`, each with the
+    /// partition that refused it) by sending each again alone, to that
+    /// partition, by `deadline`. A refused record with an earlier record of its key not
     /// confirmed is not sent: it would go ahead of that record. (A later
     /// record of its key cannot have been confirmed: a broker that checks
     /// idempotent sequence numbers refuses it out of sequence.)
@@ -52,6 +57,7 @@ impl KafkaPublisher {
         &self,
         batch: &[Envelope],
         refused: &[(usize, i32)],
+        for_size: bool,
         outcomes: &mut [Option<Verdict>],
         deadline: Instant,
     ) {
@@ -62,7 +68,7 @@ impl KafkaPublisher {
             if let Some(&(_, partition)) = refused.iter().find(|r| r.0 == i) {
                 if key.is_some_and(|k| waiting.contains(k)) {
                     outcomes[i] = Some(Err(Rejection::unanswered(
-                        "kafka: refused as too large together with other records; \
+                        "kafka: refused together with the other records of its record batch; \
                          to be sent alone after an earlier record of its key",
                     )));
                 } else {
@@ -81,7 +87,7 @@ impl KafkaPublisher {
             Ok(verdicts) => verdicts,
             Err(reason) => {
                 let e = Rejection::unanswered(format!(
-                    "kafka: refused as too large together with other records; \
+                    "kafka: refused together with the other records of its record batch; \
                      cannot send it alone yet: {reason}"
                 ));
                 alone.iter().map(|_| Err(e.clone())).collect()
@@ -92,7 +98,7 @@ impl KafkaPublisher {
             .iter()
             .filter(|v| v.as_ref().is_err_and(|r| r.permanent))
             .count();
-        if through > 0 && self.warn_of_batch_size() {
+        if for_size && through > 0 && self.warn_of_batch_size() {
             tracing::warn!(
                 refused = refused.len(),
                 sent_alone = alone.len(),
@@ -188,7 +194,7 @@ impl KafkaPublisher {
             .map(|v| {
                 v.unwrap_or_else(|| {
                     Err(Rejection::unanswered(
-                        "kafka: refused as too large together with other records; \
+                        "kafka: refused together with the other records of its record batch; \
                          not answered when sent alone",
                     ))
                 })
@@ -200,7 +206,7 @@ impl KafkaPublisher {
     /// broker refused it for its size; otherwise it goes again.
     fn refused_alone(&self, e: &KafkaError) -> Rejection {
         match e.rdkafka_error_code() {
-            Some(code) if is_size_refusal(code) => {
+            Some(code) if is_batch_refusal(code) => {
                 Rejection::permanent(format!("kafka: {code} (refused when sent alone)"))
             }
             _ => Rejection::unanswered(format!("kafka: sent alone, not confirmed: {e}")),

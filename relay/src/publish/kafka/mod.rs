@@ -41,7 +41,7 @@ mod setup;
 mod silent;
 
 use producer::KafkaProducer;
-use record::{headers, is_size_refusal, rejection};
+use record::{headers, is_batch_refusal, is_size_refusal, rejection};
 pub use settings::{is_secret, KafkaSettings};
 pub use silent::murmur2_partition;
 use silent::{Held, Silent};
@@ -183,7 +183,8 @@ impl KafkaPublisher {
     }
 
     /// Hands every record of the batch to `producer`, then waits for
-    /// their delivery reports; records the broker refused as too large
+    /// their delivery reports; records the broker refused as too large or
+    /// invalid
     /// together go again alone (see `alone`), by `deadline`.
     ///
     /// `absent` holds the batch's topics that the broker said do not exist:
@@ -290,10 +291,12 @@ impl KafkaPublisher {
         // batch's size: an answer, even when nothing else of the batch
         // was confirmed.
         let mut broker_refused = false;
-        // Records refused together with the rest of their record batch,
-        // for its size, with the partition that refused them: settled by
-        // sending each alone.
+        // Records refused together with the rest of their record batch
+        // (for its size, or one invalid record in it), with the partition
+        // that refused them: settled by sending each alone. Whether any
+        // refusal was for size.
         let mut too_large = Vec::new();
+        let mut for_size = false;
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
         let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
@@ -325,8 +328,9 @@ impl KafkaPublisher {
                     continue;
                 }
                 Ok(Ok((partition, offset))) => Ok(Receipt::Kafka { partition, offset }),
-                Ok(Err((e, partition))) if e.rdkafka_error_code().is_some_and(is_size_refusal) => {
+                Ok(Err((e, partition))) if e.rdkafka_error_code().is_some_and(is_batch_refusal) => {
                     broker_refused = true;
+                    for_size |= e.rdkafka_error_code().is_some_and(is_size_refusal);
                     too_large.push((i, partition));
                     continue;
                 }
@@ -427,7 +431,7 @@ impl KafkaPublisher {
             // The refusal stopped the producer: the other workers' batches
             // get a new one now, not after failing on this one.
             self.recover_if_stuck(producer, None);
-            self.send_alone(batch, &too_large, &mut outcomes, deadline)
+            self.send_alone(batch, &too_large, for_size, &mut outcomes, deadline)
                 .await;
         }
         Ok(outcomes

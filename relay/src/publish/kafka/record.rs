@@ -18,14 +18,21 @@ fn is_permanent(code: RDKafkaErrorCode) -> bool {
 }
 
 /// A broker's refusal of a record batch for its size: `max.message.bytes`
-/// (MessageSizeTooLarge) or the segment size (MessageBatchTooLarge). It
-/// covers every record of the batch, so it names none of them (see
-/// `super::alone`).
+/// (MessageSizeTooLarge) or the segment size (MessageBatchTooLarge).
 pub(super) fn is_size_refusal(code: RDKafkaErrorCode) -> bool {
     matches!(
         code,
         RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::MessageBatchTooLarge
     )
+}
+
+/// A broker's refusal of a whole record batch on account of one record in
+/// it, or of their sum: for size (above), or InvalidRecord (a record
+/// without a key on a compacted topic, a timestamp further off than the
+/// topic allows). It covers every record of the batch, so it names none
+/// of them (see `super::alone`).
+pub(super) fn is_batch_refusal(code: RDKafkaErrorCode) -> bool {
+    is_size_refusal(code) || code == RDKafkaErrorCode::InvalidRecord
 }
 
 /// Errors about one topic that an operator can fix (create the topic, grant
