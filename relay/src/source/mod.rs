@@ -78,6 +78,13 @@ pub async fn answered<T>(
     }
 }
 
+/// What a "read-only transaction" error means for the relay, whose every
+/// session writes (claims, settles, its replica lease).
+const READ_ONLY: &str = "the server takes no writes: it is a standby (after a failover, \
+     the old primary), or default_transaction_read_only is on for the relay's role or \
+     database; point --database-url at the primary (with several hosts in it, add \
+     target_session_attrs=read-write)";
+
 /// A Postgres error with what the server said: tokio-postgres shows only
 /// "db error" for an error the server reported, and keeps the server's
 /// severity, message, detail and hint in its source. One line, for logs.
@@ -100,6 +107,9 @@ impl std::fmt::Display for PgError<'_> {
                 }
                 if let Some(hint) = db.hint() {
                     write!(f, "; hint: {}", hint.replace('\n', " "))?;
+                }
+                if *db.code() == tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION {
+                    write!(f, "; {READ_ONLY}")?;
                 }
                 Ok(())
             }

@@ -110,3 +110,64 @@ async fn logs_never_show_the_password_or_payloads() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// A relay pointed at a server that takes no writes (a standby after a
+/// failover, `default_transaction_read_only` on for its role or database)
+/// says what that means and what to do, not only Postgres's "cannot
+/// execute INSERT in a read-only transaction".
+#[tokio::test]
+async fn a_read_only_server_is_named_with_its_remedy() {
+    let db = TestDb::new().await;
+    let url = format!(
+        "{}?options=-c%20default_transaction_read_only%3Don",
+        db.url()
+    );
+    let mut child = Command::new(RELAY_BIN)
+        .arg("run")
+        .env("OUTBOX_DATABASE_URL", &url)
+        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+        .env("OUTBOX_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("relay");
+    let pid = child.id().expect("pid");
+    let mut out_pipe = child.stdout.take().expect("stdout");
+    let mut err_pipe = child.stderr.take().expect("stderr");
+    let out_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut out_pipe, &mut v).await;
+        v
+    });
+    let err_task = tokio::spawn(async move {
+        let mut v = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
+        v
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .await;
+    let _ = child.wait().await;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out_task.await.expect("stdout")),
+        String::from_utf8_lossy(&err_task.await.expect("stderr"))
+    );
+    assert!(
+        text.contains("25006"),
+        "the relay never met the read-only server:\n{text}"
+    );
+    assert!(
+        text.lines()
+            .filter(|l| l.contains("25006"))
+            .all(|l| l.contains("standby") && l.contains("target_session_attrs=read-write")),
+        "a read-only error without what it means and what to do:\n{text}"
+    );
+    db.cleanup().await;
+}
