@@ -39,6 +39,7 @@ fn limits() -> ClaimLimits {
         bytes: 8 << 20,
         park_recheck: Duration::from_secs(60),
         due_recheck: std::time::Duration::from_millis(10),
+        max_payload: i64::MAX,
     }
 }
 

@@ -111,3 +111,79 @@ async fn large_messages_drain_under_a_memory_cap_and_would_not_without_the_byte_
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// One row larger than the broker takes, written by plain SQL (no client
+/// limit on that path): 150 MB against RabbitMQ's 128 MiB. The relay knows
+/// each row's size before it reads the row; reading this one would take
+/// more than the relay's container has, and an OOM-killed relay meets the
+/// same row at every restart, so nothing behind it would ever go. It must
+/// go to the dead letters unread, the rows behind it (its own key's after
+/// it, with `--dead-letter-order skip`) delivered, under the cap.
+#[tokio::test]
+async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
+    outbox_tests::init_logging();
+    let rabbit = Fixture::new().await;
+    let db = TestDb::new().await;
+    let huge = 150_000_000;
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO {} (destination, ordering_key, payload) \
+                 VALUES ($1, 'k0', decode(repeat('ab', $2), 'hex'))",
+                db.table()
+            ),
+            &[&rabbit.exchange, &huge],
+        )
+        .await
+        .expect("insert the huge row");
+    let behind: Vec<Message> = (0..200)
+        .map(|i| {
+            Message::builder(rabbit.exchange.as_str())
+                .key(format!("k{}", i % 5))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &behind)
+        .await
+        .expect("enqueue");
+    let cap = MemoryCap::new(CAP).expect("a memory cgroup for the relay");
+    let mut process = relay(&db, &[("OUTBOX_DEAD_LETTER_ORDER", "skip".to_owned())]);
+    cap.add(process.pid()).expect("cap the relay");
+    let drained = eventually(Duration::from_secs(120), || async {
+        db.pending().await == 0
+    })
+    .await;
+    let peak = cap.peak_bytes().unwrap_or(0);
+    let kills = cap.oom_kills();
+    let dead: Vec<String> = db
+        .column(&format!(
+            "SELECT last_error FROM {}.dead_letters",
+            db.schema.quoted()
+        ))
+        .await;
+    let exited = process.exited();
+    process.kill9().await;
+    drop(cap);
+    println!(
+        "peak {} MiB under a {} MiB cap, {kills} OOM kills; dead letters: {dead:?}",
+        peak >> 20,
+        CAP >> 20
+    );
+    assert_eq!(kills, 0, "the relay was OOM-killed reading the huge row");
+    assert!(exited.is_none(), "the relay died: {exited:?}");
+    assert!(drained, "{} rows left", db.pending().await);
+    assert!(
+        dead.len() == 1 && dead[0].contains("150000000"),
+        "the huge row is not the one dead letter, naming its size: {dead:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || async { rabbit.count() >= 200 }).await,
+        "{} of 200 delivered",
+        rabbit.count()
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

@@ -15,7 +15,7 @@ use super::Settings;
 use crate::backoff::Backoff;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
-use crate::source::claim::ClaimLimits;
+use crate::source::claim::{ClaimLimits, TooLarge};
 use crate::source::durable::Durable;
 use crate::source::floor::Floor;
 use crate::source::ownership::Owned;
@@ -309,6 +309,40 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         }
     }
 
+    /// Each row too large for the broker, with the reason its dead letter
+    /// records.
+    fn too_large(&self, rows: &[TooLarge]) -> Vec<(i64, String)> {
+        let Some((limit, what)) = self.publisher.max_payload_bytes() else {
+            return Vec::new();
+        };
+        rows.iter()
+            .map(|r| {
+                (
+                    r.seq,
+                    format!(
+                        "too large for the broker: message of {} bytes exceeds {what} of \
+                         {limit} bytes (dead-lettered without being read)",
+                        r.bytes
+                    ),
+                )
+            })
+            .collect()
+    }
+
+    /// Says that `rows`, with their `reasons`, went to the dead letters.
+    fn dead_lettered_unread(&self, rows: &[TooLarge], reasons: &[(i64, String)]) {
+        self.stats.count(Event::DeadLettered, rows.len() as u64);
+        for (row, (_, reason)) in rows.iter().zip(reasons) {
+            tracing::error!(
+                message_id = %row.message_id,
+                destination = %row.destination,
+                attempts = row.attempts + 1,
+                reason = %reason,
+                "message moved to dead letters"
+            );
+        }
+    }
+
     /// How long rows the broker left unanswered are set aside, their keys
     /// behind them: `retry_base`, or as long as their batch took if longer
     /// (up to `retry_max`). Rows that can cost a pipeline slot its whole
@@ -358,6 +392,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             bytes: max_bytes,
             park_recheck: self.settings.retry_max,
             due_recheck: self.settings.poll_min,
+            max_payload: self
+                .publisher
+                .max_payload_bytes()
+                .map_or(i64::MAX, |(b, _)| i64::try_from(b).unwrap_or(i64::MAX)),
         };
         let claiming = self.idle.claiming.lock().await;
         // Everything from the claim to the settle must end within half the
@@ -385,6 +423,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             self.floor.note_claim();
         }
         let mut holds = claimed.holds;
+        // Rows the broker cannot take, known by their size and not read:
+        // dead letters, settled with this batch.
+        let too_large = self.too_large(&claimed.too_large);
         let batch = hooks::claimed(claimed.batch);
         if batch.is_empty()
             && holds.is_empty()
@@ -400,7 +441,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         }
         let behind = claimed.blocked.len() > holds.len();
         if batch.is_empty() {
-            if holds.is_empty() {
+            if holds.is_empty() && too_large.is_empty() {
                 tx.release();
                 return Ok(BatchEnd::Empty { behind });
             }
@@ -411,10 +452,11 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     published: &[],
                     failed: &[],
                     holds: &holds,
-                    dead: &[],
+                    dead: &too_large,
                 })
                 .await?;
-            return Ok(if held > 0 {
+            self.dead_lettered_unread(&claimed.too_large, &too_large);
+            return Ok(if held > 0 || !too_large.is_empty() {
                 BatchEnd::Settled {
                     more: true,
                     late: false,
@@ -601,13 +643,19 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             );
             tx.note_batch_error(&seqs, reason, Some(hold)).await?;
         }
+        let dead = if too_large.is_empty() {
+            std::borrow::Cow::Borrowed(&plan.dead)
+        } else {
+            std::borrow::Cow::Owned([plan.dead.as_slice(), &too_large].concat())
+        };
         tx.settle_and_commit(Settle {
             published: &plan.published,
             failed: &plan.failed,
             holds: &holds,
-            dead: &plan.dead,
+            dead: &dead,
         })
         .await?;
+        self.dead_lettered_unread(&claimed.too_large, &too_large);
         self.stats
             .count(Event::DeadLettered, plan.dead.len() as u64);
         for (seq, reason) in &plan.dead {

@@ -175,6 +175,14 @@ pub trait Publisher: Send + Sync + 'static {
         None
     }
 
+    /// The largest payload the broker can take, if known, with the name of
+    /// the limit: a row larger is dead-lettered without being read (its
+    /// size is known first), since reading it could take more memory than
+    /// the relay has. The default knows none.
+    fn max_payload_bytes(&self) -> Option<(usize, &'static str)> {
+        None
+    }
+
     /// Whether two messages of one key share their fate at the broker: if the
     /// first is refused, so is the second. The relay sends a key's messages in
     /// one go only while they share a lane; at a lane change it waits for the

@@ -260,6 +260,13 @@ impl AmqpPublisher {
 }
 
 impl Publisher for AmqpPublisher {
+    fn max_payload_bytes(&self) -> Option<(usize, &'static str)> {
+        Some((
+            self.max_message_size.load(Ordering::Relaxed),
+            "rabbitmq's max_message_size",
+        ))
+    }
+
     async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
         let deadline = tokio::time::Instant::now() + self.broker.settings.confirm_timeout;
         self.publish_until(batch, deadline).await

@@ -66,6 +66,8 @@ pub struct KafkaPublisher {
     /// The producer that sends records refused together alone, once one
     /// was needed (see `alone`).
     alone: std::sync::Mutex<Option<Arc<KafkaProducer>>>,
+    /// librdkafka's `message.max.bytes`: it refuses a larger record.
+    max_message_bytes: usize,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -83,6 +85,10 @@ impl KafkaPublisher {
         let config = settings.client_config();
         let producer = KafkaProducer::new(&config)?;
         let predictable = config.get("partitioner") == Some(silent::PREDICTABLE);
+        let max_message_bytes = config
+            .get("message.max.bytes")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(LIBRDKAFKA_MESSAGE_MAX_BYTES);
         Ok(KafkaPublisher {
             silent: Silent::new(settings.message_timeout),
             settings,
@@ -92,6 +98,7 @@ impl KafkaPublisher {
             predictable,
             size_warned: std::sync::Mutex::new(None),
             alone: std::sync::Mutex::new(None),
+            max_message_bytes,
         })
     }
 
@@ -462,7 +469,14 @@ fn topics_of<'b>(batch: impl Iterator<Item = &'b Envelope>) -> Vec<&'b str> {
     topics
 }
 
+/// librdkafka's default `message.max.bytes`.
+const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
+
 impl Publisher for KafkaPublisher {
+    fn max_payload_bytes(&self) -> Option<(usize, &'static str)> {
+        Some((self.max_message_bytes, "librdkafka's message.max.bytes"))
+    }
+
     fn batch_bytes(&self) -> Option<usize> {
         self.pace.limit()
     }

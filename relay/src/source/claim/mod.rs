@@ -52,6 +52,9 @@ pub struct ClaimLimits {
     /// but not in the claim is to be set aside, when it is (see
     /// [`Claimed::behind_due`]).
     pub due_recheck: Duration,
+    /// Payload bytes above which the broker cannot take a message: a row
+    /// larger is not read (see [`Claimed::too_large`]).
+    pub max_payload: i64,
 }
 
 /// What one claim found.
@@ -72,6 +75,26 @@ pub struct Claimed {
     /// from the due rows), and setting its followers aside every time would
     /// rewrite a hot key's backlog once per batch.
     pub behind_due: Vec<(i64, SystemTime)>,
+    /// Rows larger than `max_payload`, not read: the broker cannot take
+    /// them, and reading one could take more memory than the relay has
+    /// (plain SQL writers face no client limit). Their keys' later rows in
+    /// this claim are left for the next claim, after them.
+    pub too_large: Vec<TooLarge>,
+}
+
+/// A claimed row too large for the broker, known by its size alone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TooLarge {
+    /// The row's seq.
+    pub seq: i64,
+    /// Its message id.
+    pub message_id: Uuid,
+    /// Its destination.
+    pub destination: String,
+    /// Its attempts so far.
+    pub attempts: i32,
+    /// Its payload's bytes.
+    pub bytes: i64,
 }
 
 /// The SQL text for one schema, built once.
@@ -228,8 +251,15 @@ impl Queries {
             return Ok(Claimed::default());
         }
         let (keys, tops, kept) = heads.probe_args();
+        // Rows too large for the broker are not read (see `too_large`).
+        let read: Vec<i64> = heads
+            .rows
+            .iter()
+            .filter(|h| h.size <= limits.max_payload)
+            .map(|h| h.seq)
+            .collect();
         let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor];
-        let bodies_params: [&(dyn ToSql + Sync); 1] = [&kept];
+        let bodies_params: [&(dyn ToSql + Sync); 1] = [&read];
         // try_join! polls in order, and each query is sent at its first
         // poll: the three go out together, the bodies last, so that they
         // can be read one at a time as the envelopes are built instead of
@@ -261,7 +291,11 @@ impl Queries {
             .try_get::<_, Vec<String>>("paused")?
             .into_iter()
             .collect();
-        let verdicts = judge(&heads.rows, &probes, &paused, now, limits);
+        let verdicts = too_large(
+            &heads.rows,
+            judge(&heads.rows, &probes, &paused, now, limits),
+            limits,
+        );
         // The bodies come in seq order, as the kept rows are: walk both.
         futures::pin_mut!(bodies);
         let mut body = bodies.try_next().await?;
@@ -297,6 +331,13 @@ impl Queries {
                     claimed.blocked.push(head.seq);
                     claimed.behind_due.push((head.seq, until));
                 }
+                Verdict::TooLarge => claimed.too_large.push(TooLarge {
+                    seq: head.seq,
+                    message_id: head.message_id,
+                    destination: head.destination,
+                    attempts: head.attempts,
+                    bytes: head.size,
+                }),
             }
         }
         // Read what is left (blocked rows' bodies) unless the stream has
@@ -531,6 +572,34 @@ enum Verdict {
     /// Blocked by an older row that is due and not in this claim: left for
     /// the next claim, or set aside until then if the claims are stuck.
     BehindDue(SystemTime),
+    /// Larger than the broker takes: dead-lettered unread.
+    TooLarge,
+}
+
+/// `verdicts` with each row that would go but is larger than
+/// `limits.max_payload` made [`Verdict::TooLarge`], and the later rows of
+/// its key that would go left for the next claim: they follow it, and it
+/// becomes a dead letter only when this claim settles.
+fn too_large(heads: &[Head], mut verdicts: Vec<Verdict>, limits: &ClaimLimits) -> Vec<Verdict> {
+    if heads.iter().all(|h| h.size <= limits.max_payload) {
+        return verdicts;
+    }
+    let mut refused: HashSet<&str> = HashSet::new();
+    for (h, v) in heads.iter().zip(verdicts.iter_mut()) {
+        if *v != Verdict::Go {
+            continue;
+        }
+        let key = h.ordering_key.as_deref();
+        if key.is_some_and(|k| refused.contains(k)) {
+            *v = Verdict::Blocked(None);
+        } else if h.size > limits.max_payload {
+            *v = Verdict::TooLarge;
+            if let Some(k) = key {
+                refused.insert(k);
+            }
+        }
+    }
+    verdicts
 }
 
 /// The kept rows' verdicts (`heads` oldest first). A row is blocked when its
@@ -663,11 +732,47 @@ mod tests {
             bytes,
             park_recheck: Duration::from_secs(60),
             due_recheck: Duration::from_millis(10),
+            max_payload: i64::MAX,
         }
     }
 
     fn seqs(heads: &Heads) -> Vec<i64> {
         heads.rows.iter().map(|h| h.seq).collect()
+    }
+
+    #[test]
+    fn a_row_too_large_for_the_broker_is_refused_and_its_keys_later_rows_wait() {
+        let limits = ClaimLimits {
+            max_payload: 100,
+            ..limits(10, 1_000_000)
+        };
+        let heads = [
+            head(1, Some("a"), "d", 10),
+            head(2, Some("a"), "d", 101),
+            head(3, Some("b"), "d", 10),
+            head(4, Some("a"), "d", 10),
+            head(5, None, "d", 500),
+            head(6, None, "d", 10),
+            // Blocked already (behind an older row in flight): stays so.
+            head(7, Some("c"), "d", 500),
+        ];
+        let mut verdicts = vec![Verdict::Go; 6];
+        verdicts.push(Verdict::Blocked(None));
+        assert_eq!(
+            too_large(&heads, verdicts, &limits),
+            [
+                Verdict::Go,
+                Verdict::TooLarge,
+                Verdict::Go,
+                Verdict::Blocked(None),
+                Verdict::TooLarge,
+                Verdict::Go,
+                Verdict::Blocked(None),
+            ]
+        );
+        // At the limit it goes.
+        let at = [head(1, Some("a"), "d", 100)];
+        assert_eq!(too_large(&at, vec![Verdict::Go], &limits), [Verdict::Go]);
     }
 
     #[test]
