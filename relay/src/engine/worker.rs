@@ -309,26 +309,6 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         }
     }
 
-    /// Each row too large for the broker, with the reason its dead letter
-    /// records.
-    fn too_large(&self, rows: &[TooLarge]) -> Vec<(i64, String)> {
-        let Some((limit, what)) = self.publisher.max_payload_bytes() else {
-            return Vec::new();
-        };
-        rows.iter()
-            .map(|r| {
-                (
-                    r.seq,
-                    format!(
-                        "too large for the broker: message of {} bytes exceeds {what} of \
-                         {limit} bytes (dead-lettered without being read)",
-                        r.bytes
-                    ),
-                )
-            })
-            .collect()
-    }
-
     /// Says that `rows`, with their `reasons`, went to the dead letters.
     fn dead_lettered_unread(&self, rows: &[TooLarge], reasons: &[(i64, String)]) {
         self.stats.count(Event::DeadLettered, rows.len() as u64);
@@ -387,14 +367,14 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     .batch_max_bytes
                     .min(i64::try_from(b).unwrap_or(i64::MAX))
             });
+        // Read once: the limit a row is judged by names the reason too.
+        let max_payload = self.publisher.max_payload_bytes();
         let limits = ClaimLimits {
             rows: self.settings.batch_size,
             bytes: max_bytes,
             park_recheck: self.settings.retry_max,
             due_recheck: self.settings.poll_min,
-            max_payload: self
-                .publisher
-                .max_payload_bytes()
+            max_payload: max_payload
                 .map_or(i64::MAX, |(b, _)| i64::try_from(b).unwrap_or(i64::MAX)),
         };
         let claiming = self.idle.claiming.lock().await;
@@ -425,7 +405,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let mut holds = claimed.holds;
         // Rows the broker cannot take, known by their size and not read:
         // dead letters, settled with this batch.
-        let too_large = self.too_large(&claimed.too_large);
+        let too_large = too_large(&claimed.too_large, max_payload);
         let batch = hooks::claimed(claimed.batch);
         if batch.is_empty()
             && holds.is_empty()
@@ -615,7 +595,15 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     .then(|| self.outage_hold(claimed_at));
                 let noted = tx.note_batch_error(&seqs, &e.to_string(), hold).await;
                 if noted.is_ok() {
-                    tx.commit().await?;
+                    // Rows too large for any broker need none to settle.
+                    tx.settle_and_commit(Settle {
+                        published: &[],
+                        failed: &[],
+                        holds: &[],
+                        dead: &too_large,
+                    })
+                    .await?;
+                    self.dead_lettered_unread(&claimed.too_large, &too_large);
                 } else {
                     tx.rollback().await?;
                 }
@@ -701,4 +689,24 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             cycle: gather_cycle(batch.len(), window),
         })
     }
+}
+
+/// Each row too large for the broker (above `max_payload`, the limit and
+/// its name), with the reason its dead letter records.
+fn too_large(rows: &[TooLarge], max_payload: Option<(usize, &str)>) -> Vec<(i64, String)> {
+    let Some((limit, what)) = max_payload else {
+        return Vec::new();
+    };
+    rows.iter()
+        .map(|r| {
+            (
+                r.seq,
+                format!(
+                    "too large for the broker: message of {} bytes exceeds {what} of \
+                     {limit} bytes (dead-lettered without being read)",
+                    r.bytes
+                ),
+            )
+        })
+        .collect()
 }

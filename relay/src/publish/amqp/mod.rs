@@ -11,7 +11,7 @@
 //! use (and again after a while), and messages for a missing exchange are
 //! rejected one by one while the rest of the batch flows.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
@@ -30,7 +30,7 @@ use super::{Envelope, PublishError, Publisher, Rejection, Verdict};
 use link::{Broker, Prepared};
 use wire::{
     check_header_frame, correlate, correlate_cut, is_access_refused, is_not_found, properties,
-    refused_exchange, size_limit_from, Answer, Returned,
+    refused_target, size_limit_from, Answer, Barred, Returned,
 };
 
 mod link;
@@ -93,7 +93,7 @@ pub struct AmqpPublisher {
     /// closed with ACCESS_REFUSED), with when and its reason: their
     /// messages are refused here until [`EXCHANGE_CHECK_TTL`] has passed,
     /// then a batch tries again.
-    refused_exchanges: std::sync::Mutex<HashMap<String, (Instant, String)>>,
+    refused_exchanges: std::sync::Mutex<Vec<(Barred, Instant, String)>>,
 }
 
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
@@ -117,7 +117,7 @@ impl AmqpPublisher {
             progress: AtomicU64::new(0),
             origin: Instant::now(),
             pace: Pace::default(),
-            refused_exchanges: std::sync::Mutex::new(HashMap::new()),
+            refused_exchanges: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -128,51 +128,60 @@ impl AmqpPublisher {
         self
     }
 
-    /// The exchanges of `batch` whose messages are refused here, each
-    /// with the reason for its rows: the broker refused the relay's user
-    /// access to it less than [`EXCHANGE_CHECK_TTL`] ago.
-    fn barred_exchanges(&self, batch: &[Envelope]) -> HashMap<String, String> {
-        let mut barred = self
+    /// The bars in force on the relay's access to exchanges (or routing
+    /// keys on them), each with the reason for its rows and how long it
+    /// has left: the broker refused that access less than
+    /// [`EXCHANGE_CHECK_TTL`] ago.
+    fn bars(&self) -> Vec<(Barred, Duration, String)> {
+        let mut bars = self
             .refused_exchanges
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if barred.is_empty() {
-            return HashMap::new();
+        if bars.is_empty() {
+            return Vec::new();
         }
-        barred.retain(|_, (at, _)| at.elapsed() < EXCHANGE_CHECK_TTL);
-        batch
-            .iter()
-            .filter_map(|env| {
-                let x = env.amqp_exchange();
-                barred
-                    .get(x)
-                    .map(|(_, reason)| (x.to_owned(), reason.clone()))
+        bars.retain(|(_, at, _)| at.elapsed() < EXCHANGE_CHECK_TTL);
+        bars.iter()
+            .map(|(bar, at, reason)| {
+                (
+                    bar.clone(),
+                    EXCHANGE_CHECK_TTL.saturating_sub(at.elapsed()),
+                    reason.clone(),
+                )
             })
             .collect()
     }
 
-    /// Bars the exchange of `batch` that an ACCESS_REFUSED channel close
-    /// names in `reason`; false when it names none of them and the batch
-    /// has several.
-    fn bar_exchange(&self, batch: &[Envelope], reason: &str) -> bool {
-        let Some(exchange) = refused_exchange(reason, batch.iter().map(Envelope::amqp_exchange))
-        else {
+    /// Bars what an ACCESS_REFUSED channel close names in `reason`, among
+    /// the exchanges and routing keys of `batch`; false when it names none
+    /// of them and the batch has several exchanges.
+    fn bar(&self, batch: &[Envelope], reason: &str) -> bool {
+        let targets = batch
+            .iter()
+            .map(|env| (env.amqp_exchange(), env.routing_key.as_str()));
+        let Some(bar) = refused_target(reason, targets) else {
             return false;
         };
         tracing::warn!(
-            exchange,
+            exchange = bar.exchange,
+            routing_key = bar.routing_key,
             reason,
-            "rabbitmq refused the relay's user access to an exchange; its messages wait, \
-             the others go on"
+            "rabbitmq refused the relay's user access; those messages wait, the others go on"
         );
+        let what = match &bar.routing_key {
+            Some(rk) => format!("routing key {rk:?} on exchange {:?}", bar.exchange),
+            None => format!("exchange {:?}", bar.exchange),
+        };
         let row = format!(
-            "rabbitmq refused the relay's user access to exchange {exchange:?}; its messages \
-             wait until it is granted (tried again every {EXCHANGE_CHECK_TTL:?}): {reason}"
+            "rabbitmq refused the relay's user access to {what}; waiting, no attempts \
+             counted, until it is granted (tried again every {EXCHANGE_CHECK_TTL:?}): {reason}"
         );
-        self.refused_exchanges
+        let mut bars = self
+            .refused_exchanges
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(exchange.to_owned(), (Instant::now(), row));
+            .unwrap_or_else(|p| p.into_inner());
+        bars.retain(|(b, _, _)| *b != bar);
+        bars.push((bar, Instant::now(), row));
         true
     }
 
@@ -260,6 +269,8 @@ impl AmqpPublisher {
 }
 
 impl Publisher for AmqpPublisher {
+    /// RabbitMQ's default until the broker says less (see
+    /// `max_message_size`).
     fn max_payload_bytes(&self) -> Option<(usize, &'static str)> {
         Some((
             self.max_message_size.load(Ordering::Relaxed),
@@ -308,7 +319,7 @@ impl Publisher for AmqpPublisher {
             done: false,
         };
 
-        let barred = self.barred_exchanges(batch);
+        let bars = self.bars();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         // Keys with a message refused here: their later messages are not sent
         // (they wait for the refused one, like after a broker refusal).
@@ -333,8 +344,14 @@ impl Publisher for AmqpPublisher {
                 Err(Rejection::retryable(format!(
                     "exchange {exchange:?} does not exist"
                 )))
-            } else if let Some(reason) = barred.get(exchange) {
-                Err(Rejection::retryable(reason.clone()))
+            } else if let Some((_, left, reason)) = bars
+                .iter()
+                .find(|(bar, _, _)| bar.bars(exchange, &env.routing_key))
+            {
+                // Not the message's own failure, and the broker is asked
+                // again only when the bar ends: waiting, like a paused
+                // destination, counts no attempts.
+                Err(Rejection::unanswered(reason.clone()).for_at_least(*left))
             } else if let Some(r) = self.refuse_locally(env) {
                 Err(r)
             } else {
@@ -497,7 +514,7 @@ impl Publisher for AmqpPublisher {
                 self.broker.forget_exchanges(batch).await;
                 true
             } else {
-                self.bar_exchange(batch, &reason)
+                self.bar(batch, &reason)
             };
             if understood {
                 return self

@@ -20,18 +20,35 @@ pub(super) fn is_access_refused(e: &lapin::Error) -> bool {
     matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403)
 }
 
-/// The exchange of `exchanges` (a batch's, `""` for the default) that
-/// RabbitMQ's ACCESS_REFUSED `reason` names: "access to exchange 'x' in
-/// vhost '/' refused for user 'u'". The name is read from prose, so it
-/// must be one of the batch's; failing that, the batch's only exchange.
-pub(super) fn refused_exchange<'x>(
+/// What an ACCESS_REFUSED channel close bars: an exchange, or (a topic
+/// permission) one routing key on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Barred {
+    pub(super) exchange: String,
+    pub(super) routing_key: Option<String>,
+}
+
+impl Barred {
+    /// Whether it bars a message to `exchange` with `routing_key`.
+    pub(super) fn bars(&self, exchange: &str, routing_key: &str) -> bool {
+        self.exchange == exchange
+            && self
+                .routing_key
+                .as_deref()
+                .is_none_or(|rk| rk == routing_key)
+    }
+}
+
+/// What RabbitMQ's ACCESS_REFUSED `reason` bars among `targets` (a batch's
+/// exchanges, `""` for the default, with their routing keys): "access to
+/// exchange 'x' in vhost '/' refused for user 'u'" an exchange, "write
+/// access to topic 'rk' in exchange 'x' in vhost ..." one routing key on
+/// it. The names are read from prose, so they must be the batch's;
+/// failing that, the batch's only exchange.
+pub(super) fn refused_target<'x>(
     reason: &str,
-    exchanges: impl Iterator<Item = &'x str> + Clone,
-) -> Option<&'x str> {
-    let named = reason
-        .split_once("exchange '")
-        .and_then(|(_, rest)| rest.rsplit_once("' in vhost '"))
-        .map(|(name, _)| name);
+    targets: impl Iterator<Item = (&'x str, &'x str)> + Clone,
+) -> Option<Barred> {
     fn as_named(x: &str) -> &str {
         if x.is_empty() {
             "amq.default"
@@ -39,14 +56,37 @@ pub(super) fn refused_exchange<'x>(
             x
         }
     }
+    if let Some((_, topic)) = reason.split_once("access to topic '") {
+        // The routing key may hold "' in exchange '" itself: the last
+        // such split is the exchange's.
+        let (rk, rest) = topic.rsplit_once("' in exchange '")?;
+        let named = rest.rsplit_once("' in vhost '")?.0;
+        let (x, rk) = targets
+            .into_iter()
+            .find(|(x, k)| as_named(x) == named && *k == rk)?;
+        return Some(Barred {
+            exchange: x.to_owned(),
+            routing_key: Some(rk.to_owned()),
+        });
+    }
+    let named = reason
+        .split_once("exchange '")
+        .and_then(|(_, rest)| rest.rsplit_once("' in vhost '"))
+        .map(|(name, _)| name);
     if let Some(name) = named {
-        if let Some(x) = exchanges.clone().find(|x| as_named(x) == name) {
-            return Some(x);
+        if let Some((x, _)) = targets.clone().find(|(x, _)| as_named(x) == name) {
+            return Some(Barred {
+                exchange: x.to_owned(),
+                routing_key: None,
+            });
         }
     }
-    let mut distinct = exchanges;
+    let mut distinct = targets.map(|(x, _)| x);
     let first = distinct.next()?;
-    distinct.all(|x| x == first).then_some(first)
+    distinct.all(|x| x == first).then(|| Barred {
+        exchange: first.to_owned(),
+        routing_key: None,
+    })
 }
 
 pub(super) fn properties(
@@ -257,28 +297,63 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_refused_exchange_is_read_from_the_reason_and_must_be_the_batchs() {
-        let reason = |x: &str| {
+    fn what_access_refused_bars_is_read_from_the_reason_and_must_be_the_batchs() {
+        let exchange = |x: &str| {
             format!(
-                "protocol error: AMQP hard error: ACCESS-REFUSED: ACCESS_REFUSED - access to \
+                "protocol error: AMQP soft error: ACCESS-REFUSED: ACCESS_REFUSED - access to \
                  exchange '{x}' in vhost '/' refused for user 'relay'"
             )
         };
-        let batch = ["orders", "it's in vhost 'x", "", "orders"];
-        let of = |r: &str| refused_exchange(r, batch.iter().copied());
-        assert_eq!(of(&reason("orders")), Some("orders"));
-        assert_eq!(of(&reason("it's in vhost 'x")), Some("it's in vhost 'x"));
-        assert_eq!(of(&reason("amq.default")), Some(""));
+        let topic = |rk: &str, x: &str| {
+            format!(
+                "ACCESS_REFUSED - write access to topic '{rk}' in exchange '{x}' in vhost '/' \
+                 refused for user 'relay'"
+            )
+        };
+        let batch = [
+            ("orders", "a.b"),
+            ("it's in vhost 'x", ""),
+            ("", "q"),
+            ("orders", "c' in exchange 'd"),
+        ];
+        let of = |r: &str| refused_target(r, batch.iter().copied());
+        let whole = |x: &str| {
+            Some(Barred {
+                exchange: x.to_owned(),
+                routing_key: None,
+            })
+        };
+        let key = |x: &str, rk: &str| {
+            Some(Barred {
+                exchange: x.to_owned(),
+                routing_key: Some(rk.to_owned()),
+            })
+        };
+        assert_eq!(of(&exchange("orders")), whole("orders"));
+        assert_eq!(of(&exchange("it's in vhost 'x")), whole("it's in vhost 'x"));
+        assert_eq!(of(&exchange("amq.default")), whole(""));
+        assert_eq!(of(&topic("a.b", "orders")), key("orders", "a.b"));
+        assert_eq!(
+            of(&topic("c' in exchange 'd", "orders")),
+            key("orders", "c' in exchange 'd")
+        );
+        assert_eq!(of(&topic("q", "amq.default")), key("", "q"));
         // Named, but not in the batch; or not named, several exchanges.
-        assert_eq!(of(&reason("elsewhere")), None);
+        assert_eq!(of(&exchange("elsewhere")), None);
+        assert_eq!(of(&topic("z", "orders")), None);
         assert_eq!(of("ACCESS_REFUSED"), None);
         // One exchange in the batch: that one, whatever the prose says.
-        let one = ["orders", "orders"];
+        let one = [("orders", "a"), ("orders", "b")];
         assert_eq!(
-            refused_exchange("ACCESS_REFUSED", one.iter().copied()),
-            Some("orders")
+            refused_target("ACCESS_REFUSED", one.iter().copied()),
+            whole("orders")
         );
-        assert_eq!(refused_exchange("", std::iter::empty()), None);
+        assert_eq!(refused_target("", std::iter::empty()), None);
+        // A bar on one routing key leaves the exchange's others alone.
+        let bar = key("orders", "a.b").expect("a bar");
+        assert!(bar.bars("orders", "a.b"));
+        assert!(!bar.bars("orders", "a.c"));
+        assert!(whole("orders").expect("a bar").bars("orders", "a.c"));
     }
 
     fn with_header(len: usize) -> BasicProperties {

@@ -67,7 +67,7 @@ pub struct KafkaPublisher {
     /// was needed (see `alone`).
     alone: std::sync::Mutex<Option<Arc<KafkaProducer>>>,
     /// librdkafka's `message.max.bytes`: it refuses a larger record.
-    max_message_bytes: usize,
+    max_message_bytes: Option<usize>,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -85,10 +85,13 @@ impl KafkaPublisher {
         let config = settings.client_config();
         let producer = KafkaProducer::new(&config)?;
         let predictable = config.get("partitioner") == Some(silent::PREDICTABLE);
+        // As librdkafka reads it (hex, suffixes), its default when unset;
+        // none known if it cannot say.
         let max_message_bytes = config
-            .get("message.max.bytes")
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(LIBRDKAFKA_MESSAGE_MAX_BYTES);
+            .create_native_config()
+            .ok()
+            .and_then(|native| native.get("message.max.bytes").ok())
+            .and_then(|v| v.parse().ok());
         Ok(KafkaPublisher {
             silent: Silent::new(settings.message_timeout),
             settings,
@@ -469,12 +472,10 @@ fn topics_of<'b>(batch: impl Iterator<Item = &'b Envelope>) -> Vec<&'b str> {
     topics
 }
 
-/// librdkafka's default `message.max.bytes`.
-const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
-
 impl Publisher for KafkaPublisher {
     fn max_payload_bytes(&self) -> Option<(usize, &'static str)> {
-        Some((self.max_message_bytes, "librdkafka's message.max.bytes"))
+        self.max_message_bytes
+            .map(|b| (b, "librdkafka's message.max.bytes"))
     }
 
     fn batch_bytes(&self) -> Option<usize> {
@@ -574,5 +575,39 @@ impl Publisher for KafkaPublisher {
         if let Ok(Err(e)) = flushed {
             tracing::warn!(error = %e, "kafka producer flush incomplete at shutdown");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn largest_payload(properties: &[(&str, &str)]) -> Option<usize> {
+        KafkaPublisher::new(KafkaSettings {
+            brokers: "127.0.0.1:1".into(),
+            properties: properties
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            message_timeout: Duration::from_secs(5),
+        })
+        .expect("producer")
+        .max_payload_bytes()
+        .map(|(bytes, _)| bytes)
+    }
+
+    /// `message.max.bytes` as librdkafka reads it: its default when unset,
+    /// and any way of writing a number it takes.
+    #[tokio::test]
+    async fn the_largest_payload_is_message_max_bytes_as_librdkafka_reads_it() {
+        assert_eq!(largest_payload(&[]), Some(1_000_000));
+        assert_eq!(
+            largest_payload(&[("message.max.bytes", "2000000")]),
+            Some(2_000_000)
+        );
+        assert_eq!(
+            largest_payload(&[("message.max.bytes", "0x200000")]),
+            Some(0x20_0000)
+        );
     }
 }
