@@ -9,7 +9,12 @@
 //! would close the channel under every other message in flight. Destinations are
 //! therefore checked with a passive declare on a throwaway channel before first
 //! use (and again after a while), and messages for a missing exchange are
-//! rejected one by one while the rest of the batch flows.
+//! rejected one by one while the rest of the batch flows. An exchange deleted
+//! since its check, or one the relay's user may not write to (ACCESS_REFUSED,
+//! which no passive declare reveals), still closes a batch's channel: that
+//! batch keeps what was confirmed, the rest goes again without an attempt
+//! counted, and the exchange is checked again, or barred for a while
+//! (`closed_about_an_exchange`).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -89,10 +94,10 @@ pub struct AmqpPublisher {
     origin: Instant,
     /// The batch size a slow link can confirm in time.
     pace: Pace,
-    /// Exchanges the broker refused the relay's user access to (a channel
-    /// closed with ACCESS_REFUSED), with when and its reason: their
-    /// messages are refused here until [`EXCHANGE_CHECK_TTL`] has passed,
-    /// then a batch tries again.
+    /// Exchanges, or routing keys on them, the broker refused the relay's
+    /// user access to (a channel closed with ACCESS_REFUSED), with when and
+    /// the reason for their rows: their messages wait, unsent, until
+    /// [`EXCHANGE_CHECK_TTL`] has passed, then a batch tries again.
     refused_exchanges: std::sync::Mutex<Vec<(Barred, Instant, String)>>,
 }
 
