@@ -665,3 +665,61 @@ async fn a_batch_given_up_while_connecting_leaves_the_connection_to_the_next() {
     publisher.close().await;
     rabbit.cleanup().await;
 }
+
+/// A row header that RabbitMQ reads itself: `CC` and `BCC` name extra
+/// routing keys (sender-selected distribution) and must be arrays, while a
+/// row's headers travel as strings, and RabbitMQ closes the channel under
+/// the whole batch at one. Only that message may be refused, with an error
+/// naming the header; the others, in the same batches, are delivered.
+#[tokio::test]
+async fn a_header_rabbitmq_reads_as_routing_holds_back_only_its_message() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+    let outbox = db.outbox();
+    let mut good = 0;
+    let messages: Vec<Message> = (0..500)
+        .map(|i| {
+            // A key of its own: its dead letter parks its key's later rows.
+            let key = if i == 100 {
+                "cc".to_owned()
+            } else {
+                format!("k{}", i % 10)
+            };
+            let m = Message::builder(rabbit.exchange.as_str()).key(key).json(&i);
+            if i == 100 {
+                m.header("CC", "billing").build().expect("valid")
+            } else {
+                good += 1;
+                m.build().expect("valid")
+            }
+        })
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    let arrived = eventually(PATIENCE, || async { distinct(&rabbit) >= good }).await;
+    let failed = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
+    let errors: Vec<Option<String>> = db
+        .column(&format!("SELECT DISTINCT last_error FROM {}", db.table()))
+        .await;
+    let dead: Vec<String> = db
+        .column(&format!(
+            "SELECT last_error FROM {}.dead_letters",
+            db.schema.quoted()
+        ))
+        .await;
+    relay.stop().await;
+    assert!(arrived, "{} of {good} arrived", distinct(&rabbit));
+    assert_eq!(failed, 0, "batches failed as in an outage: {errors:?}");
+    assert!(
+        dead.len() == 1 && dead[0].contains("\"CC\""),
+        "the message with the header is not the one dead letter, naming it: {dead:?}"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

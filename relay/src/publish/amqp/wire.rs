@@ -105,6 +105,17 @@ pub(super) fn properties(
         if shadowed {
             continue;
         }
+        // RabbitMQ reads these two itself, as extra routing keys
+        // (sender-selected distribution), and closes the channel under the
+        // whole batch at one that is not an array: a row's headers travel
+        // as strings.
+        if name == "CC" || name == "BCC" {
+            return Err(Rejection::permanent(format!(
+                "header {name:?} names extra routing keys to rabbitmq (sender-selected \
+                 distribution) and must be an array, but row headers are sent as strings; \
+                 rename the header"
+            )));
+        }
         let name = ShortString::try_new(name.as_str())
             .map_err(|_| Rejection::permanent(format!("header name {name:?} exceeds 255 bytes")))?;
         headers.insert(
@@ -354,6 +365,37 @@ mod tests {
         assert!(bar.bars("orders", "a.b"));
         assert!(!bar.bars("orders", "a.c"));
         assert!(whole("orders").expect("a bar").bars("orders", "a.c"));
+    }
+
+    #[test]
+    fn headers_rabbitmq_reads_as_routing_keys_are_refused_by_name() {
+        let mut env = Envelope {
+            seq: 1,
+            message_id: uuid::Uuid::nil(),
+            destination: "orders".into(),
+            ordering_key: None,
+            routing_key: String::new(),
+            headers: Vec::new(),
+            payload: Vec::new(),
+            content_type: None,
+            event_type: None,
+            created_at: UNIX_EPOCH,
+            attempts: 0,
+        };
+        for name in ["CC", "BCC"] {
+            env.headers = vec![(name.to_owned(), "billing".to_owned())];
+            let refused = properties(&env, None).expect_err(name);
+            assert!(
+                refused.permanent && refused.reason.contains(name),
+                "{refused:?}"
+            );
+        }
+        // Names are case-sensitive to RabbitMQ: these are plain headers.
+        env.headers = vec![
+            ("cc".to_owned(), "a".to_owned()),
+            ("Bcc".to_owned(), "b".to_owned()),
+        ];
+        assert!(properties(&env, None).is_ok());
     }
 
     fn with_header(len: usize) -> BasicProperties {
