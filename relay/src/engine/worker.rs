@@ -313,13 +313,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     fn dead_lettered_unread(&self, rows: &[TooLarge], reasons: &[(i64, String)]) {
         self.stats.count(Event::DeadLettered, rows.len() as u64);
         for (row, (_, reason)) in rows.iter().zip(reasons) {
-            tracing::error!(
-                message_id = %row.message_id,
-                destination = %row.destination,
-                attempts = row.attempts + 1,
-                reason = %reason,
-                "message moved to dead letters"
-            );
+            log_dead_letter(&row.message_id, &row.destination, row.attempts, reason);
         }
     }
 
@@ -648,13 +642,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             .count(Event::DeadLettered, plan.dead.len() as u64);
         for (seq, reason) in &plan.dead {
             if let Some(env) = batch.iter().find(|e| e.seq == *seq) {
-                tracing::error!(
-                    message_id = %env.message_id,
-                    destination = %env.destination,
-                    attempts = env.attempts + 1,
-                    reason = %reason,
-                    "message moved to dead letters"
-                );
+                log_dead_letter(&env.message_id, &env.destination, env.attempts, reason);
             }
         }
 
@@ -709,4 +697,16 @@ fn too_large(rows: &[TooLarge], max_payload: Option<(usize, &str)>) -> Vec<(i64,
             )
         })
         .collect()
+}
+
+/// The log line of a message moved to the dead letters after `attempts`
+/// earlier ones.
+fn log_dead_letter(message_id: &uuid::Uuid, destination: &str, attempts: i32, reason: &str) {
+    tracing::error!(
+        message_id = %message_id,
+        destination = %destination,
+        attempts = attempts + 1,
+        reason = %reason,
+        "message moved to dead letters"
+    );
 }

@@ -10,6 +10,58 @@ use tokio::process::Command;
 
 use super::{PATIENCE, RELAY_BIN};
 
+/// A relay process on RabbitMQ whose output (stdout and stderr) is kept,
+/// read as it is written so that a full pipe never stalls it.
+struct Logged {
+    child: tokio::process::Child,
+    out: tokio::task::JoinHandle<Vec<u8>>,
+    err: tokio::task::JoinHandle<Vec<u8>>,
+}
+
+impl Logged {
+    /// Starts the relay on `database_url` and `schema`, logging at `log`.
+    fn start(database_url: &str, schema: &str, log: &str) -> Logged {
+        let mut child = Command::new(RELAY_BIN)
+            .arg("run")
+            .env("OUTBOX_DATABASE_URL", database_url)
+            .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
+            .env("OUTBOX_SCHEMA", schema)
+            .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+            .env("OUTBOX_LOG", log)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("relay");
+        let drain = |mut pipe: Box<dyn tokio::io::AsyncRead + Send + Unpin>| {
+            tokio::spawn(async move {
+                let mut v = Vec::new();
+                let _ = tokio::io::AsyncReadExt::read_to_end(&mut pipe, &mut v).await;
+                v
+            })
+        };
+        let out = drain(Box::new(child.stdout.take().expect("stdout")));
+        let err = drain(Box::new(child.stderr.take().expect("stderr")));
+        Logged { child, out, err }
+    }
+
+    /// Stops the relay with SIGTERM and returns all it wrote.
+    async fn stop(mut self) -> String {
+        let pid = self.child.id().expect("pid");
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .await;
+        let _ = self.child.wait().await;
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&self.out.await.expect("stdout")),
+            String::from_utf8_lossy(&self.err.await.expect("stderr"))
+        )
+    }
+}
+
 #[tokio::test]
 async fn logs_never_show_the_password_or_payloads() {
     let db = TestDb::new().await;
@@ -23,35 +75,8 @@ async fn logs_never_show_the_password_or_payloads() {
         url.contains(PASSWORD),
         "test URL must carry the password: {url}"
     );
-    let mut child = Command::new(RELAY_BIN)
-        .arg("run")
-        .env("OUTBOX_DATABASE_URL", &url)
-        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
-        .env("OUTBOX_SCHEMA", db.schema.as_str())
-        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
-        .env(
-            "OUTBOX_LOG",
-            std::env::var("OUTBOX_TEST_LEAK_LOG").unwrap_or_else(|_| "trace".into()),
-        )
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("relay");
-    let pid = child.id().expect("pid");
-    // Drain both pipes as the relay writes, or a full pipe would stall it.
-    let mut out_pipe = child.stdout.take().expect("stdout");
-    let mut err_pipe = child.stderr.take().expect("stderr");
-    let out_task = tokio::spawn(async move {
-        let mut v = Vec::new();
-        let _ = tokio::io::AsyncReadExt::read_to_end(&mut out_pipe, &mut v).await;
-        v
-    });
-    let err_task = tokio::spawn(async move {
-        let mut v = Vec::new();
-        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
-        v
-    });
+    let log = std::env::var("OUTBOX_TEST_LEAK_LOG").unwrap_or_else(|_| "trace".into());
+    let relay = Logged::start(&url, db.schema.as_str(), &log);
     let unroutable = outbox_tests::unique("nowhere");
     outbox_tests::amqp::declare_unbound_exchange(&unroutable).await;
     let messages: Vec<Message> = (0..50)
@@ -75,19 +100,7 @@ async fn logs_never_show_the_password_or_payloads() {
     assert!(eventually(PATIENCE, || async { rabbit.count() >= 49 }).await);
     // Let the rejected message's warnings be logged too.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .await;
-    let _ = child.wait().await;
-    let out = out_task.await.expect("stdout");
-    let err = err_task.await.expect("stderr");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out),
-        String::from_utf8_lossy(&err)
-    );
+    let text = relay.stop().await;
     assert!(
         text.contains("relay running"),
         "the log scan must see real logs:\n{text}"
@@ -122,43 +135,9 @@ async fn a_read_only_server_is_named_with_its_remedy() {
         "{}?options=-c%20default_transaction_read_only%3Don",
         db.url()
     );
-    let mut child = Command::new(RELAY_BIN)
-        .arg("run")
-        .env("OUTBOX_DATABASE_URL", &url)
-        .env("OUTBOX_AMQP_URL", outbox_tests::amqp_url())
-        .env("OUTBOX_SCHEMA", db.schema.as_str())
-        .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
-        .env("OUTBOX_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("relay");
-    let pid = child.id().expect("pid");
-    let mut out_pipe = child.stdout.take().expect("stdout");
-    let mut err_pipe = child.stderr.take().expect("stderr");
-    let out_task = tokio::spawn(async move {
-        let mut v = Vec::new();
-        let _ = tokio::io::AsyncReadExt::read_to_end(&mut out_pipe, &mut v).await;
-        v
-    });
-    let err_task = tokio::spawn(async move {
-        let mut v = Vec::new();
-        let _ = tokio::io::AsyncReadExt::read_to_end(&mut err_pipe, &mut v).await;
-        v
-    });
+    let relay = Logged::start(&url, db.schema.as_str(), "warn");
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .await;
-    let _ = child.wait().await;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out_task.await.expect("stdout")),
-        String::from_utf8_lossy(&err_task.await.expect("stderr"))
-    );
+    let text = relay.stop().await;
     assert!(
         text.contains("25006"),
         "the relay never met the read-only server:\n{text}"

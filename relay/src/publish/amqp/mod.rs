@@ -203,7 +203,7 @@ impl AmqpPublisher {
         mut outcomes: Vec<Option<Verdict>>,
         sent: &[(usize, String)],
         mut answers: Vec<Option<Answer>>,
-        mut pending: P,
+        pending: P,
         channel: &lapin::Channel,
     ) -> Result<Vec<Verdict>, PublishError>
     where
@@ -214,14 +214,7 @@ impl AmqpPublisher {
             "rabbitmq closed the channel over an exchange of the batch; the batch's other \
              messages go again"
         );
-        let trusted: Vec<bool> = answers.iter().map(Option::is_some).collect();
-        let _ = channel.wait_for_confirms().now_or_never();
-        while let Some(Some((j, answer))) = pending.next().now_or_never() {
-            if matches!(answer, Answer::Confirmed { .. }) {
-                answers[j] = Some(answer);
-            }
-        }
-        drop(pending);
+        let trusted = harvest(channel, &mut answers, pending);
         for (i, outcome) in correlate_cut(sent, answers, &trusted)? {
             outcomes[i] = Some(outcome);
         }
@@ -271,6 +264,27 @@ impl AmqpPublisher {
         }
         None
     }
+}
+
+/// Which confirms of a batch cut short may count (`true` at their index):
+/// those that had arrived before any confirm frame then being handled was
+/// done, since lapin hands a return to whichever confirm of that frame it
+/// completes next. lapin completes each frame's confirms under the
+/// channel's lock, so taking that lock once ends the frame in progress;
+/// the confirms that arrived by then, added to `answers`, carry every
+/// return of the counted ones.
+fn harvest<P>(channel: &lapin::Channel, answers: &mut [Option<Answer>], mut pending: P) -> Vec<bool>
+where
+    P: futures::Stream<Item = (usize, Answer)> + Unpin,
+{
+    let trusted: Vec<bool> = answers.iter().map(Option::is_some).collect();
+    let _ = channel.wait_for_confirms().now_or_never();
+    while let Some(Some((j, answer))) = pending.next().now_or_never() {
+        if matches!(answer, Answer::Confirmed { .. }) {
+            answers[j] = Some(answer);
+        }
+    }
+    trusted
 }
 
 impl Publisher for AmqpPublisher {
@@ -550,22 +564,9 @@ impl Publisher for AmqpPublisher {
             self.broker.give_back(&connection, channel).await;
         } else {
             // Cut short, or the connection lost: what the broker confirmed
-            // stands, the rest goes again later, its keys behind it. Which
-            // confirms count: those that had arrived before any confirm
-            // frame then being handled was done, since lapin hands a return
-            // to whichever confirm of that frame it completes next. lapin
-            // completes each frame's confirms under the channel's lock, so
-            // taking that lock once ends the frame in progress, and the
-            // confirms that arrived by then carry every return of the
-            // counted ones.
-            let trusted: Vec<bool> = answers.iter().map(Option::is_some).collect();
-            let _ = channel.wait_for_confirms().now_or_never();
-            while let Some(Some((j, answer))) = pending.next().now_or_never() {
-                if matches!(answer, Answer::Confirmed { .. }) {
-                    answers[j] = Some(answer);
-                }
-            }
-            drop(pending);
+            // stands, the rest goes again later, its keys behind it (see
+            // `harvest` for which confirms count).
+            let trusted = harvest(&channel, &mut answers, pending);
             let confirmed = trusted.iter().filter(|t| **t).count();
             let reason = match (&cut, &lost) {
                 (Some(reason), _) => reason.clone(),

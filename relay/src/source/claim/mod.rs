@@ -252,12 +252,18 @@ impl Queries {
         }
         let (keys, tops, kept) = heads.probe_args();
         // Rows too large for the broker are not read (see `too_large`).
-        let read: Vec<i64> = heads
-            .rows
-            .iter()
-            .filter(|h| h.size <= limits.max_payload)
-            .map(|h| h.seq)
-            .collect();
+        let fitting: Vec<i64>;
+        let read: &[i64] = if heads.rows.iter().all(|h| h.size <= limits.max_payload) {
+            &kept
+        } else {
+            fitting = heads
+                .rows
+                .iter()
+                .filter(|h| h.size <= limits.max_payload)
+                .map(|h| h.seq)
+                .collect();
+            &fitting
+        };
         let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor];
         let bodies_params: [&(dyn ToSql + Sync); 1] = [&read];
         // try_join! polls in order, and each query is sent at its first
