@@ -465,3 +465,106 @@ async fn a_row_for_a_topic_that_does_not_exist_is_refused_alone() {
     kafka.stop().await;
     db.cleanup().await;
 }
+
+/// Rows for topics no Kafka broker can have: a name longer than librdkafka
+/// takes (512 bytes), and names outside Kafka's rules (249 bytes of
+/// `a-z A-Z 0-9 . _ -`), as a writer gets from an exchange-style name
+/// (`orders:created`) or a column mixed up in a plain INSERT. Each is
+/// refused for good with an error naming its topic, and neither its batch
+/// nor the other rows may suffer for it: no batch fails as a whole (the
+/// broker looking down), and every other row arrives.
+#[tokio::test]
+async fn a_row_for_a_topic_name_kafka_cannot_have_is_dead_lettered_alone() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 2).await;
+    let db = TestDb::new().await;
+    let port = outbox_tests::free_port();
+    let env = [
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BROKER", "kafka".to_owned()),
+        ("OUTBOX_KAFKA_BROKERS", brokers.clone()),
+        ("OUTBOX_HOLD_LIMIT", "10s".to_owned()),
+        ("OUTBOX_CONFIRM_TIMEOUT", "3s".to_owned()),
+        ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
+    ];
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let outbox = db.outbox();
+    let bad = [
+        "t".repeat(600),
+        "u".repeat(250),
+        "orders:created".to_owned(),
+        "orders created".to_owned(),
+        "..".to_owned(),
+    ];
+    let mut ids = Vec::new();
+    for (i, topic) in bad.iter().enumerate() {
+        // Each between rows that are fine, in the same batches.
+        enqueue_small(&db, &kafka.topic, 40).await;
+        let m = Message::builder(topic.as_str())
+            .key(format!("bad{i}"))
+            .json(&i)
+            .build()
+            .expect("valid");
+        ids.push(outbox.enqueue(&db.client, &m).await.expect("enqueue"));
+    }
+    enqueue_small(&db, &kafka.topic, 40).await;
+    // A row leaves the outbox once the broker has confirmed it.
+    let left = format!("SELECT count(*) FROM {} WHERE destination = $1", db.table());
+    let waiting = || async {
+        let row = db
+            .client
+            .query_one(&left, &[&kafka.topic])
+            .await
+            .expect("count");
+        row.get::<_, i64>(0)
+    };
+    assert!(
+        eventually(PATIENCE, || async { waiting().await == 0 }).await,
+        "the rows for the topic that exists were held up: {} of 240 still waiting",
+        waiting().await
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            kafka.read_skipped().await;
+            kafka.count() >= 240
+        })
+        .await,
+        "{} of the 240 confirmed records read back",
+        kafka.count()
+    );
+    let q = format!(
+        "SELECT last_error FROM {}.dead_letters WHERE message_id = $1",
+        db.schema.quoted()
+    );
+    for (topic, id) in bad.iter().zip(&ids) {
+        let error = || async {
+            db.client
+                .query_opt(&q, &[&id.0])
+                .await
+                .expect("select")
+                .and_then(|r| r.get::<_, Option<String>>(0))
+        };
+        assert!(
+            eventually(PATIENCE, || async { error().await.is_some() }).await,
+            "the row for {topic:?} is not a dead letter"
+        );
+        let error = error().await.unwrap_or_default();
+        assert!(
+            error.contains(&topic[..topic.len().min(40)]) && error.contains("topic name"),
+            "the dead letter for {topic:?} does not name its topic: {error}"
+        );
+    }
+    let metrics = outbox_tests::http::scrape(port).await;
+    let failed = outbox_tests::http::sample(&metrics, "outbox_batch_failures_total");
+    assert_eq!(
+        failed,
+        Some(0.0),
+        "a batch failed as a whole (the broker looked down) for one row's topic name"
+    );
+    assert_eq!(db.pending().await, 0);
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0), "clean exit on SIGTERM");
+    kafka.stop().await;
+    db.cleanup().await;
+}

@@ -197,13 +197,15 @@ impl KafkaPublisher {
     /// invalid
     /// together go again alone (see `alone`), by `deadline`.
     ///
-    /// `absent` holds the batch's topics that the broker said do not exist:
-    /// their records are refused here. `held` holds, per topic with its
+    /// `illegal` holds the batch's topics whose names Kafka does not allow,
+    /// and `absent` those the broker said do not exist: their records are
+    /// refused here, for good and for now. `held` holds, per topic with its
     /// partition count, the silent partitions whose records are not sent.
     async fn send(
         &self,
         producer: &Arc<KafkaProducer>,
         batch: &[Envelope],
+        illegal: &[&str],
         absent: &[&str],
         held: &[(&str, i32, Held)],
         deadline: Instant,
@@ -225,6 +227,17 @@ impl KafkaPublisher {
                 outcomes[i] = Some(Err(Rejection::retryable(
                     "held back behind an earlier refused record of its key",
                 )));
+                continue;
+            }
+            if illegal.contains(&env.destination.as_str()) {
+                if let Some(k) = key {
+                    refused.insert(k);
+                }
+                let problem = record::illegal_topic(&env.destination).unwrap_or_default();
+                outcomes[i] = Some(Err(Rejection::permanent(format!(
+                    "kafka: topic name {} {problem}",
+                    record::shown(&env.destination)
+                ))));
                 continue;
             }
             if absent.contains(&env.destination.as_str()) {
@@ -502,7 +515,16 @@ impl Publisher for KafkaPublisher {
             self.recover_if_stuck(&producer, None);
             producer = self.producer();
         }
-        let topics = topics_of(batch.iter());
+        let mut topics = topics_of(batch.iter());
+        // A topic no broker can have is never asked for: librdkafka refuses
+        // a name over 512 bytes before it asks, and the set-up would wait
+        // for its metadata until the batch failed as in an outage.
+        let illegal: Vec<&str> = topics
+            .iter()
+            .copied()
+            .filter(|t| record::illegal_topic(t).is_some())
+            .collect();
+        topics.retain(|t| !illegal.contains(t));
         if let Err(missing) = self.set_up(&producer, &topics, deadline).await {
             let waited = missing.since.elapsed();
             return Err(if waited < self.settings.message_timeout {
@@ -540,7 +562,8 @@ impl Publisher for KafkaPublisher {
                 }
             }
         }
-        self.send(&producer, batch, &absent, &held, deadline).await
+        self.send(&producer, batch, &illegal, &absent, &held, deadline)
+            .await
     }
 
     /// One topic is one lane: the idempotent producer fails every later record

@@ -46,6 +46,40 @@ fn is_topic_problem(code: RDKafkaErrorCode) -> bool {
     )
 }
 
+/// Why Kafka would not have a topic of this name, if it would not: a name
+/// is 1 to 249 bytes of ASCII letters, digits, `.`, `_` and `-`, and not
+/// `.` or `..` (Apache Kafka's `Topic.validate`, which Kafka-protocol
+/// brokers follow). A record for such a topic can never be delivered, and
+/// asking for it would not even be answered as "does not exist": librdkafka
+/// refuses a name over 512 bytes before it asks the broker.
+pub(super) fn illegal_topic(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("is empty")
+    } else if name == "." || name == ".." {
+        Some("may not be \".\" or \"..\"")
+    } else if name.len() > 249 {
+        Some("is longer than the 249 bytes Kafka allows")
+    } else if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        Some(
+            "holds a character Kafka does not allow (only ASCII letters, digits, '.', '_' and '-')",
+        )
+    } else {
+        None
+    }
+}
+
+/// A topic name for an error message: quoted, and cut short past 64
+/// characters with its length.
+pub(super) fn shown(name: &str) -> String {
+    match name.char_indices().nth(64) {
+        None => format!("{name:?}"),
+        Some((cut, _)) => format!("{:?}... ({} bytes)", &name[..cut], name.len()),
+    }
+}
+
 /// The outcome for a record librdkafka refused or failed, or None when the
 /// failure is not the record's own and the batch must be retried.
 pub(super) fn rejection(e: &KafkaError) -> Option<Rejection> {
@@ -96,4 +130,42 @@ pub(super) fn headers(env: &Envelope, cloudevents: Option<&CloudEvents>) -> Owne
         });
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_names_are_judged_by_kafkas_rules() {
+        for fine in ["orders", "orders.created", "a-b_c.9", "Z", &"x".repeat(249)] {
+            assert_eq!(illegal_topic(fine), None, "{fine:?}");
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            "orders:created",
+            "orders created",
+            "orders/created",
+            "commandes-créées",
+            &"x".repeat(250),
+            &"x".repeat(600),
+        ] {
+            assert!(illegal_topic(bad).is_some(), "{bad:?}");
+        }
+        // Dots alone are fine beyond the two names Kafka keeps.
+        assert_eq!(illegal_topic("..."), None);
+    }
+
+    #[test]
+    fn a_long_topic_name_is_shown_cut_short() {
+        assert_eq!(shown("orders"), "\"orders\"");
+        // Cut at a character, not a byte: "é" is two bytes.
+        let long = "é".repeat(100);
+        assert_eq!(
+            shown(&long),
+            format!("\"{}\"... (200 bytes)", "é".repeat(64))
+        );
+    }
 }
