@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use outbox_client::SchemaName;
 use outbox_relay::source::claim::{ClaimLimits, Heads, Prepared, Queries};
-use outbox_relay::source::floor::Tracker;
+use outbox_relay::source::floor::{FloorAt, Tracker};
 use tokio_postgres::Client;
 
 /// What one claim cost.
@@ -114,7 +114,8 @@ impl ClaimSession {
     /// Runs the claim at `floor` in a transaction rolled back afterwards:
     /// what its statements (the lock, the probes, the bodies) cost together
     /// under EXPLAIN ANALYZE, and the seqs it takes.
-    pub async fn run(&self, floor: i64) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
+    pub async fn run(&self, floor: impl Into<FloorAt>) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
+        let floor = floor.into();
         let client = &self.client;
         client.batch_execute("BEGIN").await?;
         let mut cost = ClaimCost {
@@ -123,20 +124,21 @@ impl ClaimSession {
             temp_written: 0,
             jit_ms: None,
         };
-        self.explain(&lock_args(floor), &mut cost).await?;
+        self.explain(&lock_args(floor.scan), &mut cost).await?;
         // Once more for its rows: they are this transaction's own, so the
         // lock takes the same ones again.
         let rows = client
-            .query(&format!("EXECUTE {}", lock_args(floor)), &[])
+            .query(&format!("EXECUTE {}", lock_args(floor.scan)), &[])
             .await?;
         let heads = Heads::from_rows(&rows, &limits())?;
         let (keys, tops, kept) = heads.probe_args();
         if !keys.is_empty() {
             let probe = format!(
-                "probe({}, {}, {}, {floor})",
+                "probe({}, {}, {}, {})",
                 array(&keys, "text[]"),
                 array(&tops, "bigint[]"),
-                array(&kept, "bigint[]")
+                array(&kept, "bigint[]"),
+                floor.probe
             );
             self.explain(&probe, &mut cost).await?;
         }
@@ -183,7 +185,7 @@ impl ClaimSession {
     /// afterwards: each row it keeps as (seq, blocked), oldest first,
     /// blocked rows being those held back behind an older row of their key
     /// (or a paused destination).
-    pub async fn verdicts(&self, floor: i64) -> anyhow::Result<Vec<(i64, bool)>> {
+    pub async fn verdicts(&self, floor: impl Into<FloorAt>) -> anyhow::Result<Vec<(i64, bool)>> {
         let client = &self.client;
         client
             .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
@@ -216,7 +218,7 @@ impl ClaimSession {
 pub async fn run_claim(
     config: &tokio_postgres::Config,
     schema: &SchemaName,
-    floor: i64,
+    floor: impl Into<FloorAt>,
 ) -> anyhow::Result<(ClaimCost, Vec<i64>)> {
     ClaimSession::open(config, schema).await?.run(floor).await
 }

@@ -386,7 +386,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // The next claim may start once this one's rows are locked, while
         // their verdicts are still being decided.
         let claimed = tx
-            .claim(&limits, &partitions, self.floor.get(), move || {
+            .claim(&limits, &partitions, self.floor.at(), move || {
                 drop(claiming)
             })
             .await?;

@@ -30,16 +30,24 @@
 //!    m + 1 when there is none.
 //!
 //! A long reader, however old its snapshot, holds no writer's lock and never
-//! stops the floor; an open transaction that inserted into the outbox does,
-//! as it must. Rows re-enter the outbox below the floor only through the
+//! stops the floor. An open transaction that inserted into the outbox holds
+//! it for [`PASS_AFTER`]; then the floor moves past that transaction's
+//! rows, which nobody can see yet, and remembers the transaction and the
+//! floor it had (its base). Step 3 then reads: every row with seq ≤ m is
+//! committed, gone, or one of those transactions'; theirs lie at or above
+//! the base, since they were not listed when the base was proved. When
+//! one of them ends, what it committed is visible, and the floor comes
+//! back to the lowest fresh row from the base. Without this, such a
+//! transaction (it also pins the horizon) made every claim walk the rows
+//! deleted since it began, for as long as it ran. Rows re-enter the outbox below the floor only through the
 //! relay's own operations (retrying a dead letter, resuming a destination,
 //! releasing rows set aside), and those put them on the due path, which the
 //! floor does not bound. Against anything else (an old relay binary, a hand
 //! written `UPDATE`), every `rescan` interval the floor is recomputed from
 //! the start of the index, so such a row waits at most that long.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_client::SchemaName;
@@ -60,14 +68,43 @@ const BOUND: Duration = Duration::from_secs(60);
 /// have. 0 (no floor) until it is first computed, and whenever it cannot be.
 #[derive(Debug, Default)]
 pub struct Floor {
-    seq: AtomicI64,
+    at: Mutex<FloorAt>,
     claims: AtomicU64,
+}
+
+/// Where a claim looks, as of one moment: fresh rows from `scan`, and an
+/// older row of a key, any from `probe` and below it only the rows that
+/// wait. They differ while the floor has moved past writers still running
+/// (see [`Passed`]): a row one of them commits is fresh below `scan` until
+/// the floor comes back for it, and must still hold back its key's later
+/// rows meanwhile.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FloorAt {
+    /// Where the scan for fresh rows starts.
+    pub scan: i64,
+    /// Where the head-of-key probe stops looking at every row. At most
+    /// `scan`.
+    pub probe: i64,
+}
+
+impl From<i64> for FloorAt {
+    fn from(seq: i64) -> Self {
+        FloorAt {
+            scan: seq,
+            probe: seq,
+        }
+    }
 }
 
 impl Floor {
     /// The seq the claim's fresh scan starts from.
     pub fn get(&self) -> i64 {
-        self.seq.load(Ordering::Relaxed)
+        self.at().scan
+    }
+
+    /// Both of the floor's seqs, read together.
+    pub fn at(&self) -> FloorAt {
+        *self.at.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Counts a claim that took rows, so the floor moves only while there
@@ -76,8 +113,8 @@ impl Floor {
         self.claims.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn set(&self, seq: i64) {
-        self.seq.store(seq, Ordering::Relaxed);
+    fn set(&self, at: FloorAt) {
+        *self.at.lock().unwrap_or_else(|p| p.into_inner()) = at;
     }
 }
 
@@ -127,6 +164,27 @@ impl Statements {
 struct Candidate {
     upto: i64,
     writers: Vec<String>,
+    listed: Instant,
+}
+
+/// How long a listed writer may keep the floor from moving before the
+/// floor moves past its rows (see [`Passed`]). Longer than a writer's
+/// usual transaction, so that the floor rarely has to come back.
+pub const PASS_AFTER: Duration = Duration::from_millis(500);
+
+/// Writers still running that the floor has moved past: a transaction that
+/// wrote to the outbox and stays open (a long import, a forgotten `BEGIN`
+/// after an insert) would otherwise hold the floor at its first row for as
+/// long as it runs, and every claim would walk the rows deleted since, the
+/// cost the floor exists to remove, since that transaction also pins the
+/// horizon. Their rows are not visible yet, and lie at or above `base`: the
+/// floor in use when the first of them was passed, which they were not
+/// listed under. When one of them ends, the floor comes back to the lowest
+/// fresh row from `base`, which is then visible (see [`Tracker::confirm`]).
+#[derive(Debug)]
+struct Passed {
+    base: i64,
+    writers: Vec<String>,
 }
 
 /// [`Statements`] prepared on the tracker's connection.
@@ -143,6 +201,7 @@ pub struct Tracker {
     statements: Statements,
     prepared: Option<Prepared>,
     candidate: Option<Candidate>,
+    passed: Option<Passed>,
     rescan: Duration,
     last_full: Option<Instant>,
 }
@@ -167,6 +226,7 @@ impl Tracker {
             statements: Statements::new(schema),
             prepared: None,
             candidate: None,
+            passed: None,
             rescan,
             last_full: None,
         }
@@ -224,31 +284,116 @@ impl Tracker {
                 let row = client.query_one(&prepared.sequence, &[]).await?;
                 let upto: i64 = row.get(1);
                 let (writers, _) = writers_now(client, prepared).await?;
-                self.candidate = Some(Candidate { upto, writers });
+                self.candidate = Some(Candidate {
+                    upto,
+                    writers,
+                    listed: Instant::now(),
+                });
             }
         }
         Ok(moved)
     }
 
-    /// Whether a list of writers is waiting for its transactions to end.
+    /// Whether a list of writers is waiting for its transactions to end,
+    /// or the floor has moved past writers that are still running: either
+    /// way the tracker must look again at the next tick, claims or not.
     pub fn pending(&self) -> bool {
-        self.candidate.is_some()
+        self.candidate.is_some() || self.passed.is_some()
     }
 
-    /// When the transactions listed last time have all ended, computes the
-    /// new floor and returns it; starts no new list. `current` is the floor
-    /// in use now.
+    /// The seq the floor must come back to should this tracker's session
+    /// end while writers it moved past still run: with the session, it
+    /// would lose sight of them.
+    pub fn passed_base(&self) -> Option<i64> {
+        self.passed.as_ref().map(|p| p.base)
+    }
+
+    /// The floor to claim from, when the fresh scan may start at `scan`:
+    /// the head-of-key probe looks at every row from the base of the
+    /// writers moved past, if any.
+    pub fn at(&self, scan: i64) -> FloorAt {
+        FloorAt {
+            scan,
+            probe: self.passed_base().map_or(scan, |b| b.min(scan)),
+        }
+    }
+
+    /// When a writer the floor moved past has ended, brings the floor back
+    /// to the lowest fresh row from that writer's base. Otherwise, when
+    /// the transactions listed last time have all ended, or those still
+    /// running have held the floor for [`PASS_AFTER`] (and are then moved
+    /// past), computes the new floor and returns it; starts no new list.
+    /// `current` is the floor in use now.
     pub async fn confirm(
         &mut self,
         client: &Client,
         current: i64,
     ) -> Result<Option<i64>, tokio_postgres::Error> {
-        let (Some(prepared), Some(candidate)) = (&self.prepared, &self.candidate) else {
+        let Some(prepared) = &self.prepared else {
             return Ok(None);
         };
-        let (writers, two_phase) = writers_now(client, prepared).await?;
-        if two_phase || writers.iter().any(|w| candidate.writers.contains(w)) {
+        if self.candidate.is_none() && self.passed.is_none() {
             return Ok(None);
+        }
+        let (writers, two_phase) = writers_now(client, prepared).await?;
+        if two_phase {
+            // A prepared transaction can commit at any time later, with no
+            // session behind it, and may be one the floor moved past while
+            // it was still an ordinary one: the floor goes back to the base
+            // and waits there, as for any prepared transaction.
+            return Ok(self.passed.take().map(|p| p.base.min(current)));
+        }
+        if let Some(passed) = &mut self.passed {
+            let before = passed.writers.len();
+            passed.writers.retain(|w| writers.contains(w));
+            if passed.writers.len() < before {
+                // What it committed is visible now: a transaction leaves
+                // the running set before it releases its locks. Every other
+                // row between `base` and the floor is committed, gone, or
+                // another passed writer's.
+                let base = passed.base;
+                if passed.writers.is_empty() {
+                    self.passed = None;
+                }
+                let row = client
+                    .query_one(&prepared.lowest_fresh, &[&base, &(current - 1)])
+                    .await?;
+                return Ok(Some(row.get(0)));
+            }
+        }
+        let Some(candidate) = &self.candidate else {
+            return Ok(None);
+        };
+        let running: Vec<&String> = candidate
+            .writers
+            .iter()
+            .filter(|w| writers.contains(w))
+            .collect();
+        if !running.is_empty() {
+            let passed_already = self
+                .passed
+                .as_ref()
+                .is_some_and(|p| running.iter().all(|w| p.writers.contains(w)));
+            if !passed_already && candidate.listed.elapsed() < PASS_AFTER {
+                return Ok(None);
+            }
+            // Every row up to the candidate's seq is committed, gone, or
+            // one of these writers'; theirs lie at or above the floor in
+            // use, which they were not listed under.
+            let passed = self.passed.get_or_insert_with(|| Passed {
+                base: current,
+                writers: Vec::new(),
+            });
+            for w in running {
+                if !passed.writers.contains(w) {
+                    tracing::debug!(
+                        writer = %w,
+                        base = passed.base,
+                        "claim floor moves past a transaction that wrote to the outbox and is still open"
+                    );
+                    passed.writers.push(w.clone());
+                }
+            }
         }
         let full = self.rescan_due();
         let from = if full { 0 } else { current };
@@ -311,7 +456,8 @@ pub async fn run(
             // Claims that took rows start a new list of writers; once they
             // stop, the list pending is still confirmed, so the floor
             // catches up with the last rows claimed, and then the tracker
-            // rests until claims resume or a rescan is due.
+            // rests until claims resume or a rescan is due (or a writer
+            // the floor moved past ends).
             let claims = floor.claims.load(Ordering::Relaxed);
             let moved = if claims != seen || tracker.rescan_due() {
                 seen = claims;
@@ -326,10 +472,17 @@ pub async fn run(
                 Ok(None)
             };
             match moved {
-                Ok(Some(seq)) => floor.set(seq),
+                Ok(Some(seq)) => floor.set(tracker.at(seq)),
                 Ok(None) => {}
-                // The floor in use stays valid without a session.
-                Err(e) => return Err(e),
+                // The floor in use stays valid without a session, unless
+                // it moved past writers still running: the next session
+                // would not know to come back for their rows.
+                Err(e) => {
+                    if let Some(base) = tracker.passed_base() {
+                        floor.set(floor.get().min(base).into());
+                    }
+                    return Err(e);
+                }
             }
             if sleep_or_cancel(TICK, &shutdown).await {
                 return Ok(());

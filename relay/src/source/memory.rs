@@ -25,6 +25,7 @@ use uuid::Uuid;
 use super::claim::{ClaimLimits, Claimed};
 use super::store::{BatchTx, OpenError, Session, Settle, Store, StoreError};
 use crate::envelope::Envelope;
+use crate::source::floor::FloorAt;
 
 /// The shared state; sessions and transactions all point at it.
 #[derive(Clone, Default)]
@@ -220,7 +221,7 @@ impl BatchTx for MemoryTx {
         &'a mut self,
         limits: &'a ClaimLimits,
         _partitions: &'a [i16],
-        _floor: i64,
+        _floor: FloorAt,
         locked: impl FnOnce() + Send + 'a,
     ) -> Result<Claimed, StoreError> {
         let extra = {

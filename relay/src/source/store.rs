@@ -20,6 +20,7 @@ use futures::FutureExt;
 use super::claim::{ClaimLimits, Claimed, Prepared, Queries};
 use super::{Database, PgFault};
 use crate::envelope::{Envelope, Receipt};
+use crate::source::floor::FloorAt;
 
 /// Where batches come from: one session per worker, reopened after a failure.
 pub(crate) trait Store: Send + Sync + 'static {
@@ -57,7 +58,7 @@ pub(crate) trait BatchTx: Send {
         &'a mut self,
         limits: &'a ClaimLimits,
         partitions: &'a [i16],
-        floor: i64,
+        floor: FloorAt,
         locked: impl FnOnce() + Send + 'a,
     ) -> impl Future<Output = Result<Claimed, StoreError>> + Send + 'a;
 
@@ -392,7 +393,7 @@ impl BatchTx for PgTx<'_> {
         &'a mut self,
         limits: &'a ClaimLimits,
         partitions: &'a [i16],
-        floor: i64,
+        floor: FloorAt,
         locked: impl FnOnce() + Send + 'a,
     ) -> Result<Claimed, StoreError> {
         let (q, client, prepared) = (self.queries, self.client, self.prepared);

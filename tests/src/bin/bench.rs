@@ -965,19 +965,22 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
         }
         let mut baseline = None;
         for &size in &args.sizes {
-            let variants: &[(&str, bool, bool)] = if size <= 100_000 {
+            let variants: &[(&str, Pin, bool)] = if size <= 100_000 {
                 &[
-                    ("none", false, true),
-                    ("pinned", true, true),
-                    ("pinned, floor off", true, false),
+                    ("none", Pin::None, true),
+                    ("pinned", Pin::Snapshot, true),
+                    ("pinned, floor off", Pin::Snapshot, false),
+                    ("writer open", Pin::Writer, true),
                 ]
             } else {
-                &[("none", false, true), ("pinned", true, true)]
+                &[
+                    ("none", Pin::None, true),
+                    ("pinned", Pin::Snapshot, true),
+                    ("writer open", Pin::Writer, true),
+                ]
             };
-            for &(label, pinned, floor_on) in variants {
-                let rate = run
-                    .drain(size, label, pinned, floor_on, &mut baseline)
-                    .await?;
+            for &(label, pin, floor_on) in variants {
+                let rate = run.drain(size, label, pin, floor_on, &mut baseline).await?;
                 results.push((size, label, rate, rate / baseline.unwrap_or(rate)));
             }
         }
@@ -989,6 +992,21 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
         .await?;
     let _ = conn.close(200, "bench done".into()).await;
     Ok(())
+}
+
+/// What a backlog drain runs beside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pin {
+    /// Nothing.
+    None,
+    /// A REPEATABLE READ snapshot, open from before the backlog was written
+    /// to the end of the drain (a report, pg_dump).
+    Snapshot,
+    /// A transaction that wrote one outbox row before the backlog, open to
+    /// the end of the drain (a long import, a forgotten `BEGIN` after an
+    /// insert): it pins the horizon as the snapshot does, and also holds a
+    /// writer's lock on the outbox, with a row below the whole backlog.
+    Writer,
 }
 
 /// What every drain of `bench --broker backlog` shares.
@@ -1010,18 +1028,31 @@ impl BacklogRun<'_> {
         &self,
         size: usize,
         label: &str,
-        pinned: bool,
+        pin_with: Pin,
         floor_on: bool,
         baseline: &mut Option<f64>,
     ) -> anyhow::Result<f64> {
         let db = TestDb::new().await;
         outbox_client::set_notify(&db.client, db.schema.as_str(), false).await?;
         let pin = outbox_tests::db::connect(&db.config).await;
-        if pinned {
-            pin.batch_execute(
-                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
-            )
-            .await?;
+        let pinned = pin_with != Pin::None;
+        match pin_with {
+            Pin::None => {}
+            Pin::Snapshot => {
+                pin.batch_execute(
+                    "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
+                )
+                .await?
+            }
+            Pin::Writer => {
+                pin.batch_execute("BEGIN").await?;
+                let row = outbox_client::Message::builder("amq.default")
+                    .routing_key(self.queue)
+                    .key("open-writer")
+                    .payload(vec![0u8; 1024])
+                    .build()?;
+                db.outbox().enqueue(&pin, &row).await?;
+            }
         }
         let fill = Args {
             messages: size,

@@ -199,6 +199,110 @@ async fn late_commits_are_never_passed_by_the_floor() {
     db.cleanup().await;
 }
 
+/// A transaction that wrote to the outbox and stays open (a long import, a
+/// forgotten `BEGIN` after an insert) while 5,000 other rows drain. It holds
+/// the horizon, so the rows deleted since it began stay in the index. The
+/// floor used to wait at its row for as long as it ran, and every claim
+/// walked those rows; now the floor moves past it. The row must still go
+/// out when the transaction commits, with no rescan to find it, and so must
+/// a row of another open transaction committed after the first.
+#[tokio::test]
+async fn a_long_writer_transaction_does_not_hold_the_floor() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let mut open = Vec::new();
+    let mut waiting = Vec::new();
+    for name in ["first", "second"] {
+        let client = connect(&db.config).await;
+        client.batch_execute("BEGIN").await.expect("begin");
+        let id = db
+            .outbox()
+            .enqueue(&client, &message("x", name, name.to_owned()))
+            .await
+            .expect("enqueue");
+        let seq: i64 = client
+            .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
+            .await
+            .expect("own row")
+            .get(0);
+        waiting.push((id.as_uuid(), seq));
+        open.push(client);
+    }
+    let floor = move_floor_past(&db, &relay, 5_000).await;
+    let lowest = waiting[0].1;
+    assert!(
+        floor > lowest,
+        "the floor at {floor} did not pass the open row at {lowest}"
+    );
+    // The head-of-key probe still looks at every row from below the open
+    // ones: once committed, they hold back their keys' later rows.
+    let at = relay.floor.at();
+    assert!(
+        at.probe <= lowest,
+        "the probe's floor at {} passed the open row at {lowest}",
+        at.probe
+    );
+    let (from_row, taken_row) = run_claim(&db.config, &db.schema, lowest)
+        .await
+        .expect("claim from the open row");
+    let (from_floor, taken_floor) = run_claim(&db.config, &db.schema, at)
+        .await
+        .expect("claim from the floor");
+    println!(
+        "claim buffers with a writer open: {} from its row, {} from the floor",
+        from_row.buffers, from_floor.buffers
+    );
+    assert_eq!(
+        taken_row, taken_floor,
+        "the floor changed what the claim takes"
+    );
+    assert!(
+        from_floor.buffers * 5 < from_row.buffers,
+        "from the floor the claim touched {} buffers, from the open row {}",
+        from_floor.buffers,
+        from_row.buffers
+    );
+    // Each commits, and the next row of its key follows at once, as a
+    // writer waiting on the same aggregate would: the later row must not
+    // go out first, in the moment before the floor comes back.
+    for (((id, seq), client), name) in waiting.into_iter().zip(open).zip(["first", "second"]) {
+        client.batch_execute("COMMIT").await.expect("commit");
+        let next = db
+            .outbox()
+            .enqueue(&db.client, &message("x", name, format!("{name} again")))
+            .await
+            .expect("enqueue")
+            .as_uuid();
+        assert!(
+            eventually(PATIENCE, || async {
+                went_out(&relay, id) && went_out(&relay, next)
+            })
+            .await,
+            "the row at seq {seq}, committed after the floor passed it (at {}), never went out",
+            relay.floor.get()
+        );
+        let order: Vec<uuid::Uuid> = relay
+            .publisher::<MemoryPublisher>()
+            .published()
+            .iter()
+            .map(|e| e.message_id)
+            .filter(|m| *m == id || *m == next)
+            .collect();
+        assert_eq!(
+            order,
+            [id, next],
+            "key {name:?}: its next row went out before the row committed late"
+        );
+    }
+    relay.stop().await;
+    db.cleanup().await;
+}
+
 /// Whether the relay's in-memory broker has accepted message `id`.
 fn went_out(relay: &InProcessRelay, id: uuid::Uuid) -> bool {
     relay

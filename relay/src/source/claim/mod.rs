@@ -22,6 +22,7 @@ use tokio_postgres::{Client, Row, Statement};
 use uuid::Uuid;
 
 use crate::envelope::{Envelope, Receipt};
+use crate::source::floor::FloorAt;
 
 mod statements;
 
@@ -205,8 +206,8 @@ impl Queries {
     /// replica owns, up to `limits`. `prepared` must come from the connection
     /// `tx` runs on. Rows of keys whose head is blocked come back as holds,
     /// to be set aside with [`Queries::hold`] in the same transaction.
-    /// `floor` is a seq below which no fresh row exists (see
-    /// [`crate::source::floor`]); 0 when none is known.
+    /// `floor` says where fresh rows can be, and where a key's older rows
+    /// (see [`crate::source::floor`]); 0 when nothing is known.
     ///
     /// `locked` runs once every row this claim takes is locked: when the
     /// first statement answers, before the second round trip (probes and
@@ -218,7 +219,7 @@ impl Queries {
         prepared: &Prepared,
         limits: &ClaimLimits,
         partitions: &[i16],
-        floor: i64,
+        floor: impl Into<FloorAt>,
         locked: impl FnOnce(),
     ) -> Result<Claimed, tokio_postgres::Error> {
         self.claim_beside(tx, prepared, limits, partitions, floor, &[], |_| locked())
@@ -235,12 +236,16 @@ impl Queries {
         prepared: &Prepared,
         limits: &ClaimLimits,
         partitions: &[i16],
-        floor: i64,
+        floor: impl Into<FloorAt>,
         mine: &[i64],
         locked: impl FnOnce(Vec<i64>),
     ) -> Result<Claimed, tokio_postgres::Error> {
+        let floor = floor.into();
         let rows = tx
-            .query(&prepared.lock, &[&limits.rows, &partitions, &floor, &mine])
+            .query(
+                &prepared.lock,
+                &[&limits.rows, &partitions, &floor.scan, &mine],
+            )
             .await;
         locked(match &rows {
             Ok(rows) => rows.iter().filter_map(|r| r.try_get("seq").ok()).collect(),
@@ -264,7 +269,7 @@ impl Queries {
                 .collect();
             &fitting
         };
-        let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor];
+        let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor.probe];
         let bodies_params: [&(dyn ToSql + Sync); 1] = [&read];
         // try_join! polls in order, and each query is sent at its first
         // poll: the three go out together, the bodies last, so that they
