@@ -172,19 +172,21 @@ struct Candidate {
 /// usual transaction, so that the floor rarely has to come back.
 pub const PASS_AFTER: Duration = Duration::from_millis(500);
 
-/// Writers still running that the floor has moved past: a transaction that
-/// wrote to the outbox and stays open (a long import, a forgotten `BEGIN`
-/// after an insert) would otherwise hold the floor at its first row for as
-/// long as it runs, and every claim would walk the rows deleted since, the
-/// cost the floor exists to remove, since that transaction also pins the
-/// horizon. Their rows are not visible yet, and lie at or above `base`: the
-/// floor in use when the first of them was passed, which they were not
-/// listed under. When one of them ends, the floor comes back to the lowest
-/// fresh row from `base`, which is then visible (see [`Tracker::confirm`]).
+/// A writer still running that the floor has moved past: a transaction
+/// that wrote to the outbox and stays open (a long import, a forgotten
+/// `BEGIN` after an insert) would otherwise hold the floor at its first row
+/// for as long as it runs, and every claim would walk the rows deleted
+/// since, the cost the floor exists to remove, since that transaction also
+/// pins the horizon. Its rows are not visible yet, and lie at or above
+/// `base`: the floor in use when it was passed, which it was not listed
+/// under. When it ends, the floor comes back to the lowest fresh row from
+/// `base`, which is then visible (see [`Tracker::confirm`]). Each keeps its
+/// own base, so that writers passed one after another, each open a little
+/// longer than [`PASS_AFTER`], do not hold the lowest base forever.
 #[derive(Debug)]
 struct Passed {
+    writer: String,
     base: i64,
-    writers: Vec<String>,
 }
 
 /// [`Statements`] prepared on the tracker's connection.
@@ -201,7 +203,7 @@ pub struct Tracker {
     statements: Statements,
     prepared: Option<Prepared>,
     candidate: Option<Candidate>,
-    passed: Option<Passed>,
+    passed: Vec<Passed>,
     rescan: Duration,
     last_full: Option<Instant>,
 }
@@ -226,7 +228,7 @@ impl Tracker {
             statements: Statements::new(schema),
             prepared: None,
             candidate: None,
-            passed: None,
+            passed: Vec::new(),
             rescan,
             last_full: None,
         }
@@ -298,14 +300,14 @@ impl Tracker {
     /// or the floor has moved past writers that are still running: either
     /// way the tracker must look again at the next tick, claims or not.
     pub fn pending(&self) -> bool {
-        self.candidate.is_some() || self.passed.is_some()
+        self.candidate.is_some() || !self.passed.is_empty()
     }
 
     /// The seq the floor must come back to should this tracker's session
     /// end while writers it moved past still run: with the session, it
     /// would lose sight of them.
     pub fn passed_base(&self) -> Option<i64> {
-        self.passed.as_ref().map(|p| p.base)
+        self.passed.iter().map(|p| p.base).min()
     }
 
     /// The floor to claim from, when the fresh scan may start at `scan`:
@@ -332,7 +334,7 @@ impl Tracker {
         let Some(prepared) = &self.prepared else {
             return Ok(None);
         };
-        if self.candidate.is_none() && self.passed.is_none() {
+        if self.candidate.is_none() && self.passed.is_empty() {
             return Ok(None);
         }
         let (writers, two_phase) = writers_now(client, prepared).await?;
@@ -341,25 +343,26 @@ impl Tracker {
             // session behind it, and may be one the floor moved past while
             // it was still an ordinary one: the floor goes back to the base
             // and waits there, as for any prepared transaction.
-            return Ok(self.passed.take().map(|p| p.base.min(current)));
+            let base = self.passed_base();
+            self.passed.clear();
+            return Ok(base.map(|b| b.min(current)));
         }
-        if let Some(passed) = &mut self.passed {
-            let before = passed.writers.len();
-            passed.writers.retain(|w| writers.contains(w));
-            if passed.writers.len() < before {
-                // What it committed is visible now: a transaction leaves
-                // the running set before it releases its locks. Every other
-                // row between `base` and the floor is committed, gone, or
-                // another passed writer's.
-                let base = passed.base;
-                if passed.writers.is_empty() {
-                    self.passed = None;
-                }
-                let row = client
-                    .query_one(&prepared.lowest_fresh, &[&base, &(current - 1)])
-                    .await?;
-                return Ok(Some(row.get(0)));
-            }
+        let ended = self
+            .passed
+            .iter()
+            .filter(|p| !writers.contains(&p.writer))
+            .map(|p| p.base)
+            .min();
+        if let Some(base) = ended {
+            // What it committed is visible now: a transaction leaves the
+            // running set before it releases its locks. Every other row
+            // between `base` and the floor is committed, gone, or another
+            // passed writer's.
+            self.passed.retain(|p| writers.contains(&p.writer));
+            let row = client
+                .query_one(&prepared.lowest_fresh, &[&base, &(current - 1)])
+                .await?;
+            return Ok(Some(row.get(0)));
         }
         let Some(candidate) = &self.candidate else {
             return Ok(None);
@@ -370,28 +373,26 @@ impl Tracker {
             .filter(|w| writers.contains(w))
             .collect();
         if !running.is_empty() {
-            let passed_already = self
-                .passed
-                .as_ref()
-                .is_some_and(|p| running.iter().all(|w| p.writers.contains(w)));
+            let passed_already = running
+                .iter()
+                .all(|w| self.passed.iter().any(|p| p.writer == **w));
             if !passed_already && candidate.listed.elapsed() < PASS_AFTER {
                 return Ok(None);
             }
             // Every row up to the candidate's seq is committed, gone, or
             // one of these writers'; theirs lie at or above the floor in
             // use, which they were not listed under.
-            let passed = self.passed.get_or_insert_with(|| Passed {
-                base: current,
-                writers: Vec::new(),
-            });
             for w in running {
-                if !passed.writers.contains(w) {
+                if !self.passed.iter().any(|p| p.writer == *w) {
                     tracing::debug!(
                         writer = %w,
-                        base = passed.base,
+                        base = current,
                         "claim floor moves past a transaction that wrote to the outbox and is still open"
                     );
-                    passed.writers.push(w.clone());
+                    self.passed.push(Passed {
+                        writer: w.clone(),
+                        base: current,
+                    });
                 }
             }
         }

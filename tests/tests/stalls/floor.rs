@@ -303,6 +303,108 @@ async fn a_long_writer_transaction_does_not_hold_the_floor() {
     db.cleanup().await;
 }
 
+/// Writers that each stay open longer than the floor waits for one, in
+/// turn, so that several are always open: a batch job whose workers each
+/// write an event early in a transaction of a few seconds. The floor moves past
+/// each, and each must still go out, in key order, with no rescan. The seq
+/// the head-of-key probe looks from must keep up too: the floor remembers
+/// each writer with the floor it had when passed, so the oldest one left
+/// sets it. Remembered together, under the first writer's floor until none
+/// were left, it stayed at the first writer's row for the whole run, and
+/// every claim's probes walked each key's rows deleted since.
+#[tokio::test]
+async fn writers_open_in_turn_do_not_hold_the_probe_back() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let rounds = 3;
+    let mut writers = Vec::new();
+    for w in 0..6u64 {
+        let config = db.config.clone();
+        let outbox = db.outbox();
+        writers.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500 * w)).await;
+            let client = connect(&config).await;
+            let mut written = Vec::new();
+            for r in 0..rounds {
+                client.batch_execute("BEGIN").await.expect("begin");
+                let id = outbox
+                    .enqueue(
+                        &client,
+                        &message("x", &format!("w{w}"), format!("w{w}-{r}")),
+                    )
+                    .await
+                    .expect("enqueue");
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                client.batch_execute("COMMIT").await.expect("commit");
+                written.push(id.as_uuid());
+            }
+            written
+        }));
+    }
+    // Rows of other keys keep the claims going meanwhile.
+    let mut probes = Vec::new();
+    let mut first_round_top = None;
+    let outbox = db.outbox();
+    for i in 0..110 {
+        outbox
+            .enqueue(
+                &db.client,
+                &message("x", &format!("other-{i}"), format!("other-{i}")),
+            )
+            .await
+            .expect("enqueue");
+        if i == 12 {
+            let top: i64 = db
+                .client
+                .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
+                .await
+                .expect("max")
+                .get(0);
+            first_round_top = Some(top);
+        }
+        probes.push(relay.floor.at().probe);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut written = Vec::new();
+    for w in writers {
+        written.push(w.await.expect("writer"));
+    }
+    for ids in &written {
+        for &id in ids {
+            assert!(
+                eventually(PATIENCE, || async { went_out(&relay, id) }).await,
+                "a row committed after the floor passed it never went out (floor {})",
+                relay.floor.get()
+            );
+        }
+        let published: Vec<uuid::Uuid> = relay
+            .publisher::<MemoryPublisher>()
+            .published()
+            .iter()
+            .map(|e| e.message_id)
+            .filter(|m| ids.contains(m))
+            .collect();
+        assert_eq!(&published, ids, "a writer's rows went out of key order");
+    }
+    let top = first_round_top.expect("sampled");
+    let late = probes[probes.len() - 10..]
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        late > top,
+        "in the run's last second the probe looked from {late} at most, below the rows of its first second (up to {top})"
+    );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
 /// Whether the relay's in-memory broker has accepted message `id`.
 fn went_out(relay: &InProcessRelay, id: uuid::Uuid) -> bool {
     relay
