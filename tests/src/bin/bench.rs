@@ -878,8 +878,9 @@ where
 /// consumer empties (unless OUTBOX_BENCH_NO_CONSUMER is set), with
 /// the release relay process: with no other session, with a REPEATABLE READ
 /// snapshot held open from before the backlog was written to the end of the
-/// drain, and (up to 100,000) pinned with the claim floor off, the relay as
-/// it was before the floor. Prints each drain rate against the unpinned
+/// drain, (up to 100,000) pinned with the claim floor off, the relay as
+/// it was before the floor, and beside a transaction that wrote one outbox
+/// row before the backlog and stays open (see [`Pin::Writer`]). Prints each drain rate against the unpinned
 /// drain of 10,000 (the first size), the relay's peak RSS and CPU, and the
 /// claim's cost halfway through each pinned drain of 1,000,000 or more.
 async fn backlog(args: &Args) -> anyhow::Result<()> {
