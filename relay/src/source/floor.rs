@@ -35,7 +35,11 @@
 //! rows, which nobody can see yet, and remembers the transaction and the
 //! floor it had (its base). Step 3 then reads: every row with seq ≤ m is
 //! committed, gone, or one of those transactions'; theirs lie at or above
-//! the base, since they were not listed when the base was proved. When
+//! the base. Every floor the tracker sets is at most one past a seq read
+//! before a list of writers each of which has since ended or been passed,
+//! or lower than such a floor (when it comes back, or on a new session); a
+//! writer passed later was not on that list, so it took its seqs after
+//! that read. When
 //! one of them ends, what it committed is visible, and the floor comes
 //! back to the lowest fresh row from the base. Without this, such a
 //! transaction (it also pins the horizon) made every claim walk the rows
@@ -283,14 +287,25 @@ impl Tracker {
         if self.candidate.is_none() {
             if let Some(prepared) = &self.prepared {
                 // Order matters: the last value first, then the writers.
-                let row = client.query_one(&prepared.sequence, &[]).await?;
-                let upto: i64 = row.get(1);
-                let (writers, _) = writers_now(client, prepared).await?;
-                self.candidate = Some(Candidate {
-                    upto,
-                    writers,
-                    listed: Instant::now(),
-                });
+                let listed = async {
+                    let row = client.query_one(&prepared.sequence, &[]).await?;
+                    let upto: i64 = row.get(1);
+                    let (writers, _) = writers_now(client, prepared).await?;
+                    Ok::<_, tokio_postgres::Error>(Candidate {
+                        upto,
+                        writers,
+                        listed: Instant::now(),
+                    })
+                }
+                .await;
+                match listed {
+                    Ok(candidate) => self.candidate = Some(candidate),
+                    // A floor that came back for a passed writer's rows
+                    // (whose bases are forgotten by now) must be published
+                    // first; the next step lists again.
+                    Err(e) if moved.is_none() => return Err(e),
+                    Err(_) => {}
+                }
             }
         }
         Ok(moved)
@@ -357,11 +372,13 @@ impl Tracker {
             // What it committed is visible now: a transaction leaves the
             // running set before it releases its locks. Every other row
             // between `base` and the floor is committed, gone, or another
-            // passed writer's.
-            self.passed.retain(|p| writers.contains(&p.writer));
+            // passed writer's. The ended writers are forgotten only once
+            // the floor to come back to is known: should the query fail,
+            // their bases are what the session's end falls back to.
             let row = client
                 .query_one(&prepared.lowest_fresh, &[&base, &(current - 1)])
                 .await?;
+            self.passed.retain(|p| writers.contains(&p.writer));
             return Ok(Some(row.get(0)));
         }
         let Some(candidate) = &self.candidate else {
