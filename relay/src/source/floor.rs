@@ -31,24 +31,25 @@
 //!
 //! A long reader, however old its snapshot, holds no writer's lock and never
 //! stops the floor. An open transaction that inserted into the outbox holds
-//! it for [`PASS_AFTER`]; then the floor moves past that transaction's
-//! rows, which nobody can see yet, and remembers the transaction and the
-//! floor it had (its base). Step 3 then reads: every row with seq ≤ m is
-//! committed, gone, or one of those transactions'; theirs lie at or above
-//! the base. Every floor the tracker sets is at most one past a seq read
-//! before a list of writers each of which has since ended or been passed,
-//! or lower than such a floor (when it comes back, or on a new session); a
-//! writer passed later was not on that list, so it took its seqs after
-//! that read. When
-//! one of them ends, what it committed is visible, and the floor comes
-//! back to the lowest fresh row from the base. Without this, such a
-//! transaction (it also pins the horizon) made every claim walk the rows
-//! deleted since it began, for as long as it ran. Rows re-enter the outbox below the floor only through the
-//! relay's own operations (retrying a dead letter, resuming a destination,
-//! releasing rows set aside), and those put them on the due path, which the
-//! floor does not bound. Against anything else (an old relay binary, a hand
-//! written `UPDATE`), every `rescan` interval the floor is recomputed from
-//! the start of the index, so such a row waits at most that long.
+//! it for [`PASS_AFTER`]; then the floor moves past that transaction's rows,
+//! which nobody can see yet, and remembers the transaction and the floor it
+//! had (its base). Step 3 then reads: every row with seq ≤ m is committed,
+//! gone, or one of those transactions'; theirs lie at or above the base.
+//! Every floor the tracker sets is at most one past a seq read before a list
+//! of writers each of which has since ended or been passed, or lower than
+//! such a floor (when it comes back, or on a new session); a writer passed
+//! later was not on that list, so it took its seqs after that read. When one
+//! of them ends, what it committed is visible, and the floor comes back to
+//! the lowest fresh row from the base. Without this, such a transaction (it
+//! also pins the horizon) made every claim walk the rows deleted since it
+//! began, for as long as it ran.
+//!
+//! Rows re-enter the outbox below the floor only through the relay's own
+//! operations (retrying a dead letter, resuming a destination, releasing rows
+//! set aside), and those put them on the due path, which the floor does not
+//! bound. Against anything else (an old relay binary, a hand written
+//! `UPDATE`), every `rescan` interval the floor is recomputed from the start
+//! of the index, so such a row waits at most that long.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
