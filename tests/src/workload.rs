@@ -267,3 +267,17 @@ async fn reconnect(config: &Config) -> tokio_postgres::Client {
     }
     panic!("postgres unreachable for a minute")
 }
+
+/// `n` messages for `destination`, each with its index as its JSON
+/// payload, over the keys `k0` to `k{keys - 1}` in turn.
+pub fn json_over_keys(destination: &str, n: usize, keys: usize) -> Vec<Message> {
+    (0..n)
+        .map(|i| {
+            Message::builder(destination)
+                .key(format!("k{}", i % keys))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect()
+}

@@ -134,6 +134,21 @@ async fn record_too_large_is_recorded_and_does_not_block() {
     db.cleanup().await;
 }
 
+/// A relay process for `db` on `brokers`, with short hold and confirm
+/// limits and its metrics on a free port, which it returns.
+fn relay_with_metrics(db: &TestDb, brokers: &str) -> (RelayProcess, u16) {
+    let port = outbox_tests::free_port();
+    let env = [
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        ("OUTBOX_BROKER", "kafka".to_owned()),
+        ("OUTBOX_KAFKA_BROKERS", brokers.to_owned()),
+        ("OUTBOX_HOLD_LIMIT", "10s".to_owned()),
+        ("OUTBOX_CONFIRM_TIMEOUT", "3s".to_owned()),
+        ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
+    ];
+    (RelayProcess::start(RELAY_BIN, &env), port)
+}
+
 /// Enqueues `n` small JSON messages for `topic` over seven keys.
 async fn enqueue_small(db: &TestDb, topic: &str, n: i32) {
     let small: Vec<Message> = (0..n)
@@ -403,16 +418,7 @@ async fn a_row_for_a_topic_that_does_not_exist_is_refused_alone() {
     let brokers = kafka_brokers();
     let kafka = Fixture::new(&brokers, 2).await;
     let db = TestDb::new().await;
-    let port = outbox_tests::free_port();
-    let env = [
-        ("OUTBOX_SCHEMA", db.schema.to_string()),
-        ("OUTBOX_BROKER", "kafka".to_owned()),
-        ("OUTBOX_KAFKA_BROKERS", brokers.clone()),
-        ("OUTBOX_HOLD_LIMIT", "10s".to_owned()),
-        ("OUTBOX_CONFIRM_TIMEOUT", "3s".to_owned()),
-        ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
-    ];
-    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let (mut relay, port) = relay_with_metrics(&db, &brokers);
     let missing = outbox_tests::unique("missing");
     let outbox = db.outbox();
     // A key of its own: a key's later rows wait behind a refused one.
@@ -479,16 +485,7 @@ async fn a_row_for_a_topic_name_kafka_cannot_have_is_dead_lettered_alone() {
     let brokers = kafka_brokers();
     let kafka = Fixture::new(&brokers, 2).await;
     let db = TestDb::new().await;
-    let port = outbox_tests::free_port();
-    let env = [
-        ("OUTBOX_SCHEMA", db.schema.to_string()),
-        ("OUTBOX_BROKER", "kafka".to_owned()),
-        ("OUTBOX_KAFKA_BROKERS", brokers.clone()),
-        ("OUTBOX_HOLD_LIMIT", "10s".to_owned()),
-        ("OUTBOX_CONFIRM_TIMEOUT", "3s".to_owned()),
-        ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
-    ];
-    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let (mut relay, port) = relay_with_metrics(&db, &brokers);
     let outbox = db.outbox();
     let bad = [
         "t".repeat(600),

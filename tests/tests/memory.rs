@@ -136,15 +136,7 @@ async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
         )
         .await
         .expect("insert the huge row");
-    let behind: Vec<Message> = (0..200)
-        .map(|i| {
-            Message::builder(rabbit.exchange.as_str())
-                .key(format!("k{}", i % 5))
-                .json(&i)
-                .build()
-                .expect("valid")
-        })
-        .collect();
+    let behind: Vec<Message> = outbox_tests::workload::json_over_keys(&rabbit.exchange, 200, 5);
     db.outbox()
         .enqueue_batch(&db.client, &behind)
         .await

@@ -44,15 +44,7 @@ async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
     };
     let app_client = outbox_tests::db::connect(&as_role(&app)).await;
     let outbox = db.outbox();
-    let msgs: Vec<Message> = (0..100)
-        .map(|i| {
-            Message::builder(rabbit.exchange.as_str())
-                .key(format!("k{}", i % 5))
-                .json(&i)
-                .build()
-                .expect("valid")
-        })
-        .collect();
+    let msgs: Vec<Message> = outbox_tests::workload::json_over_keys(&rabbit.exchange, 100, 5);
     outbox
         .enqueue_batch(&app_client, &msgs)
         .await

@@ -174,12 +174,7 @@ async fn late_commits_are_never_passed_by_the_floor() {
         rolled_back.extend(r.into_iter().map(|i| i.as_uuid()));
     }
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
-    let published: HashSet<_> = relay
-        .publisher::<MemoryPublisher>()
-        .published()
-        .iter()
-        .map(|e| e.message_id)
-        .collect();
+    let published: HashSet<_> = published(&relay).into_iter().collect();
     let missing = committed.difference(&published).count();
     assert!(
         drained && missing == 0,
@@ -210,11 +205,7 @@ async fn late_commits_are_never_passed_by_the_floor() {
 async fn a_long_writer_transaction_does_not_hold_the_floor() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let settings = outbox_relay::Settings {
-        claim_floor_rescan: Some(NO_RESCAN),
-        ..fast_settings()
-    };
-    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let relay = without_rescan(&db);
     let mut open = Vec::new();
     let mut waiting = Vec::new();
     for name in ["first", "second"] {
@@ -282,11 +273,8 @@ async fn a_long_writer_transaction_does_not_hold_the_floor() {
             "the row at seq {seq}, committed after the floor passed it (at {}), never went out",
             relay.floor.get()
         );
-        let order: Vec<uuid::Uuid> = relay
-            .publisher::<MemoryPublisher>()
-            .published()
-            .iter()
-            .map(|e| e.message_id)
+        let order: Vec<uuid::Uuid> = published(&relay)
+            .into_iter()
             .filter(|m| *m == id || *m == next)
             .collect();
         assert_eq!(
@@ -316,11 +304,7 @@ async fn writers_open_in_turn_do_not_hold_the_probe_back() {
     use std::sync::Arc;
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let settings = outbox_relay::Settings {
-        claim_floor_rescan: Some(NO_RESCAN),
-        ..fast_settings()
-    };
-    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let relay = without_rescan(&db);
     let rounds = 3;
     // Writers with a transaction open, and whether any has begun its last
     // round.
@@ -416,13 +400,30 @@ async fn writers_open_in_turn_do_not_hold_the_probe_back() {
     db.cleanup().await;
 }
 
-/// Whether the relay's in-memory broker has accepted message `id`.
-fn went_out(relay: &InProcessRelay, id: uuid::Uuid) -> bool {
+/// The ids of the messages the relay's in-memory broker has accepted, in
+/// the order it accepted them.
+fn published(relay: &InProcessRelay) -> Vec<uuid::Uuid> {
     relay
         .publisher::<MemoryPublisher>()
         .published()
         .iter()
-        .any(|e| e.message_id == id)
+        .map(|e| e.message_id)
+        .collect()
+}
+
+/// Whether the relay's in-memory broker has accepted message `id`.
+fn went_out(relay: &InProcessRelay, id: uuid::Uuid) -> bool {
+    published(relay).contains(&id)
+}
+
+/// A relay on the in-memory broker that never rescans from seq 0: a row
+/// the floor passed by mistake would stay behind it.
+fn without_rescan(db: &TestDb) -> InProcessRelay {
+    let settings = outbox_relay::Settings {
+        claim_floor_rescan: Some(NO_RESCAN),
+        ..fast_settings()
+    };
+    InProcessRelay::with(db, MemoryPublisher::new(), settings)
 }
 
 /// Drains `n` messages of other keys so the floor passes everything enqueued

@@ -198,14 +198,14 @@ impl KafkaPublisher {
     /// together go again alone (see `alone`), by `deadline`.
     ///
     /// `illegal` holds the batch's topics whose names Kafka does not allow,
-    /// and `absent` those the broker said do not exist: their records are
-    /// refused here, for good and for now. `held` holds, per topic with its
+    /// each with why, and `absent` those the broker said do not exist:
+    /// their records are refused here, for good and for now. `held` holds, per topic with its
     /// partition count, the silent partitions whose records are not sent.
     async fn send(
         &self,
         producer: &Arc<KafkaProducer>,
         batch: &[Envelope],
-        illegal: &[&str],
+        illegal: &[(&str, &str)],
         absent: &[&str],
         held: &[(&str, i32, Held)],
         deadline: Instant,
@@ -229,11 +229,10 @@ impl KafkaPublisher {
                 )));
                 continue;
             }
-            if illegal.contains(&env.destination.as_str()) {
+            if let Some((_, problem)) = illegal.iter().find(|(t, _)| *t == env.destination) {
                 if let Some(k) = key {
                     refused.insert(k);
                 }
-                let problem = record::illegal_topic(&env.destination).unwrap_or_default();
                 outcomes[i] = Some(Err(Rejection::permanent(format!(
                     "kafka: topic name {} {problem}",
                     record::shown(&env.destination)
@@ -519,12 +518,11 @@ impl Publisher for KafkaPublisher {
         // A topic no broker can have is never asked for: librdkafka refuses
         // a name over 512 bytes before it asks, and the set-up would wait
         // for its metadata until the batch failed as in an outage.
-        let illegal: Vec<&str> = topics
+        let illegal: Vec<(&str, &str)> = topics
             .iter()
-            .copied()
-            .filter(|t| record::illegal_topic(t).is_some())
+            .filter_map(|t| record::illegal_topic(t).map(|problem| (*t, problem)))
             .collect();
-        topics.retain(|t| !illegal.contains(t));
+        topics.retain(|t| !illegal.iter().any(|(i, _)| i == t));
         if let Err(missing) = self.set_up(&producer, &topics, deadline).await {
             let waited = missing.since.elapsed();
             return Err(if waited < self.settings.message_timeout {
