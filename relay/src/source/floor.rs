@@ -19,8 +19,13 @@
 //!    on the table, since a statement locks its target table before it
 //!    evaluates defaults. The sequence hands out values one at a time
 //!    (`CACHE 1`, checked at start-up; a cached sequence turns the floor off).
-//! 2. Then list the transactions holding a writer's lock on the table: every
-//!    one that could still commit a row with seq ≤ m is among them.
+//! 2. Then list the transactions holding a `RowExclusiveLock` on the table:
+//!    every one that could still commit a row with seq ≤ m is among them.
+//!    Only that mode: a transaction holding a stronger one holds it too once
+//!    it inserts (each mode is held, and listed, on its own), and one
+//!    holding only another (VACUUM, ANALYZE, `CREATE INDEX CONCURRENTLY`,
+//!    which can wait for a report's snapshot for as long as it runs) cannot
+//!    have inserted.
 //! 3. Later, list them again. When none of the first list is left, and no
 //!    prepared transaction holds such a lock, every row with seq ≤ m is
 //!    committed (and visible to any snapshot taken from now on) or gone for
@@ -29,7 +34,7 @@
 //! 4. With a new snapshot, the floor becomes the lowest fresh seq ≤ m, or
 //!    m + 1 when there is none.
 //!
-//! A long reader, however old its snapshot, holds no writer's lock and never
+//! A long reader, however old its snapshot, holds no such lock and never
 //! stops the floor. An open transaction that inserted into the outbox holds
 //! it for [`PASS_AFTER`]; then the floor moves past that transaction's rows,
 //! which nobody can see yet, and remembers the transaction and the floor it
@@ -128,9 +133,9 @@ impl Floor {
 struct Statements {
     /// The sequence's cache size and last value (`CACHE 1` or no floor).
     sequence: String,
-    /// Transactions holding a writer's lock on the outbox table, and whether
-    /// one of them is prepared (two-phase commit: it can commit later with
-    /// no session).
+    /// Transactions holding a `RowExclusiveLock` on the outbox table (the
+    /// lock an insert takes), and whether one of them is prepared
+    /// (two-phase commit: it can commit later with no session).
     writers: String,
     /// The lowest fresh seq in [$1, $2], else $2 + 1.
     lowest_fresh: String,
@@ -152,7 +157,7 @@ impl Statements {
                  WHERE locktype = 'relation' \
                    AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
                    AND relation = '{literal}'::regclass \
-                   AND mode NOT IN ('AccessShareLock', 'RowShareLock') \
+                   AND mode = 'RowExclusiveLock' \
                    AND pid IS DISTINCT FROM pg_backend_pid()"
             ),
             lowest_fresh: format!(

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use outbox_client::Message;
 use outbox_relay::publish::memory::MemoryPublisher;
-use outbox_relay::source::floor::Tracker;
+use outbox_relay::source::floor::{Tracker, PASS_AFTER};
 use outbox_tests::claim::run_claim;
 use outbox_tests::db::{connect, TestDb};
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
@@ -396,6 +396,75 @@ async fn writers_open_in_turn_do_not_hold_the_probe_back() {
         late > top,
         "in the last round the probe looked from {late} at most, below every row committed once two writers were open (up to {top})"
     );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
+/// `CREATE INDEX CONCURRENTLY` on the outbox while a report runs: the build
+/// waits for the report's snapshot to end, holding its
+/// `ShareUpdateExclusiveLock` on the table all along, as VACUUM, ANALYZE
+/// and most `ALTER TABLE ... SET` forms hold it for as long as they take.
+/// None of them can insert a row (an insert takes a `RowExclusiveLock`
+/// of its own), so none is a writer the floor must wait for or move past.
+/// Counted as one, the build held the floor for half a second and was
+/// then passed as an open writer: the head-of-key probe looked from where
+/// the floor had been for as long as the build waited, walking each key's
+/// rows deleted since, which the report keeps from being marked dead.
+#[tokio::test]
+async fn an_index_build_waiting_behind_a_report_is_not_taken_for_a_writer() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let relay = without_rescan(&db);
+    let report = connect(&db.config).await;
+    report
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
+        .await
+        .expect("pin a snapshot");
+    let build = connect(&db.config).await;
+    let building = {
+        let sql = format!("CREATE INDEX CONCURRENTLY ON {} (created_at)", db.table());
+        tokio::spawn(async move { build.batch_execute(&sql).await })
+    };
+    let waiting = "SELECT count(*) FROM pg_stat_progress_create_index \
+                   WHERE phase = 'waiting for old snapshots'";
+    let build_waits = || async {
+        let n: i64 = db
+            .client
+            .query_one(waiting, &[])
+            .await
+            .expect("progress")
+            .get(0);
+        n == 1
+    };
+    assert!(
+        eventually(PATIENCE, build_waits).await,
+        "the index build never came to wait for the report"
+    );
+    // Twice, the second time after the floor would have passed the build
+    // as an open writer.
+    move_floor_past(&db, &relay, 5_000).await;
+    tokio::time::sleep(PASS_AFTER * 2).await;
+    let floor = move_floor_past(&db, &relay, 1_000).await;
+    let level = eventually(PATIENCE, || async {
+        let at = relay.floor.at();
+        at.probe == at.scan
+    })
+    .await;
+    let at = relay.floor.at();
+    assert!(build_waits().await, "the index build stopped waiting");
+    assert!(
+        level,
+        "with the index build waiting, the probe looks from {} below the floor at {} (first past the rows at {floor})",
+        at.probe, at.scan
+    );
+    report
+        .batch_execute("ROLLBACK")
+        .await
+        .expect("end the report");
+    building
+        .await
+        .expect("build task")
+        .expect("the index is built");
     relay.stop().await;
     db.cleanup().await;
 }
