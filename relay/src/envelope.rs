@@ -39,6 +39,15 @@ pub struct Envelope {
 }
 
 impl Envelope {
+    /// The bytes this row holds in memory that grow with what its writer
+    /// wrote: its payload and its headers' names and values. What budgets
+    /// and batch limits count.
+    pub fn bytes(&self) -> usize {
+        self.headers
+            .iter()
+            .fold(self.payload.len(), |n, (k, v)| n + k.len() + v.len())
+    }
+
     /// The AMQP exchange this row goes to: its destination, with
     /// [`DEFAULT_EXCHANGE_ALIAS`] meaning the default exchange (`""`).
     pub fn amqp_exchange(&self) -> &str {

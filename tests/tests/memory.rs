@@ -121,6 +121,30 @@ async fn large_messages_drain_under_a_memory_cap_and_would_not_without_the_byte_
 /// it, with `--dead-letter-order skip`) delivered, under the cap.
 #[tokio::test]
 async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
+    huge_row_is_dead_lettered_unread("'{}'", "decode(repeat('ab', $2), 'hex')", "150000000").await;
+}
+
+/// The same with the bulk in the headers column: a payload of one byte,
+/// and one header 150 MB long (a trace context gone wrong, a payload put in
+/// a header by a hand-written writer). Postgres compresses it to about
+/// 2 MB on disk, so only its length as text says how much the relay would
+/// hold; the header frame's check comes after the read, too late.
+#[tokio::test]
+async fn a_row_whose_headers_are_larger_than_the_broker_takes_is_dead_lettered_unread() {
+    // `{"trace": "` and `"}` around the value.
+    huge_row_is_dead_lettered_unread(
+        "jsonb_build_object('trace', repeat('a', $2))",
+        "'x'",
+        "headers of 150000013 bytes",
+    )
+    .await;
+}
+
+/// Inserts one 150 MB row with `headers` and `payload` (SQL of `$2`, the
+/// size), then 200 rows behind it, and checks that the relay under the memory cap
+/// dead-letters that row unread, with a reason that contains `named`, and
+/// delivers the others.
+async fn huge_row_is_dead_lettered_unread(headers: &str, payload: &str, named: &str) {
     outbox_tests::init_logging();
     let rabbit = Fixture::new().await;
     let db = TestDb::new().await;
@@ -128,8 +152,8 @@ async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
     db.client
         .execute(
             &format!(
-                "INSERT INTO {} (destination, ordering_key, payload) \
-                 VALUES ($1, 'k0', decode(repeat('ab', $2), 'hex'))",
+                "INSERT INTO {} (destination, ordering_key, headers, payload) \
+                 VALUES ($1, 'k0', {headers}, {payload})",
                 db.table()
             ),
             &[&rabbit.exchange, &huge],
@@ -168,7 +192,7 @@ async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
     assert!(exited.is_none(), "the relay died: {exited:?}");
     assert!(drained, "{} rows left", db.pending().await);
     assert!(
-        dead.len() == 1 && dead[0].contains("150000000"),
+        dead.len() == 1 && dead[0].contains(named),
         "the huge row is not the one dead letter, naming its size: {dead:?}"
     );
     assert!(

@@ -13,6 +13,7 @@ use super::plan::{publish_in_waves, settle_plan};
 use super::record::record_settled;
 use super::Settings;
 use crate::backoff::Backoff;
+use crate::envelope::Envelope;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
 use crate::source::claim::{ClaimLimits, TooLarge};
@@ -447,7 +448,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // waits for its budget and slot.
         self.durable.ask(seen);
         // The batch's share of the payload budget, held until it settles.
-        let bytes: usize = batch.iter().map(|e| e.payload.len()).sum();
+        let bytes: usize = batch.iter().map(Envelope::bytes).sum();
         // The claim took all a batch may hold: by rows, or by bytes (the next
         // row, which the claim read but did not keep, would not have fit).
         let more = behind
@@ -687,12 +688,18 @@ fn too_large(rows: &[TooLarge], max_payload: Option<(usize, &str)>) -> Vec<(i64,
     };
     rows.iter()
         .map(|r| {
+            // The payload's size is named whenever it is over, as it was
+            // before headers were counted.
+            let size = if r.bytes as u64 > limit as u64 {
+                format!("message of {} bytes exceeds", r.bytes)
+            } else {
+                format!("headers of {} bytes exceed", r.headers)
+            };
             (
                 r.seq,
                 format!(
-                    "too large for the broker: message of {} bytes exceeds {what} of \
-                     {limit} bytes (dead-lettered without being read)",
-                    r.bytes
+                    "too large for the broker: {size} {what} of {limit} bytes \
+                     (dead-lettered without being read)"
                 ),
             )
         })

@@ -252,7 +252,7 @@ impl BatchTx for MemoryTx {
                 blocked_keys.insert(key);
                 continue;
             }
-            let size = row.envelope.payload.len();
+            let size = row.envelope.bytes();
             if !taken.is_empty() && bytes + size > limit_bytes {
                 break;
             }

@@ -96,6 +96,8 @@ pub struct TooLarge {
     pub attempts: i32,
     /// Its payload's bytes.
     pub bytes: i64,
+    /// Its headers' bytes, about (see [`Head::headers`]).
+    pub headers: i64,
 }
 
 /// The SQL text for one schema, built once.
@@ -258,13 +260,13 @@ impl Queries {
         let (keys, tops, kept) = heads.probe_args();
         // Rows too large for the broker are not read (see `too_large`).
         let fitting: Vec<i64>;
-        let read: &[i64] = if heads.rows.iter().all(|h| h.size <= limits.max_payload) {
+        let read: &[i64] = if heads.rows.iter().all(|h| h.fits(limits.max_payload)) {
             &kept
         } else {
             fitting = heads
                 .rows
                 .iter()
-                .filter(|h| h.size <= limits.max_payload)
+                .filter(|h| h.fits(limits.max_payload))
                 .map(|h| h.seq)
                 .collect();
             &fitting
@@ -348,6 +350,7 @@ impl Queries {
                     destination: head.destination,
                     attempts: head.attempts,
                     bytes: head.size,
+                    headers: head.headers,
                 }),
             }
         }
@@ -494,6 +497,9 @@ pub struct Head {
     attempts: i32,
     /// Payload bytes.
     size: i64,
+    /// Header bytes: the length of the headers' JSON text, or of their
+    /// stored form when it is not compressed (about the same).
+    headers: i64,
 }
 
 impl Head {
@@ -511,7 +517,14 @@ impl Head {
             created_at: row.try_get(7)?,
             attempts: row.try_get(8)?,
             size: row.try_get(9)?,
+            headers: row.try_get(10)?,
         })
+    }
+
+    /// Whether the broker could take this row at `max_payload` bytes: a
+    /// payload or headers larger than its messages can be are never read.
+    fn fits(&self, max_payload: i64) -> bool {
+        self.size <= max_payload && self.headers <= max_payload
     }
 }
 
@@ -539,7 +552,7 @@ impl Heads {
             .iter()
             .take_while(|h| {
                 n += 1;
-                bytes = bytes.saturating_add(h.size);
+                bytes = bytes.saturating_add(h.size).saturating_add(h.headers);
                 n <= limits.rows && (n == 1 || bytes <= limits.bytes)
             })
             .count();
@@ -592,7 +605,7 @@ enum Verdict {
 /// its key that would go left for the next claim: they follow it, and it
 /// becomes a dead letter only when this claim settles.
 fn too_large(heads: &[Head], mut verdicts: Vec<Verdict>, limits: &ClaimLimits) -> Vec<Verdict> {
-    if heads.iter().all(|h| h.size <= limits.max_payload) {
+    if heads.iter().all(|h| h.fits(limits.max_payload)) {
         return verdicts;
     }
     let mut refused: HashSet<&str> = HashSet::new();
@@ -603,7 +616,7 @@ fn too_large(heads: &[Head], mut verdicts: Vec<Verdict>, limits: &ClaimLimits) -
         let key = h.ordering_key.as_deref();
         if key.is_some_and(|k| refused.contains(k)) {
             *v = Verdict::Blocked(None);
-        } else if h.size > limits.max_payload {
+        } else if !h.fits(limits.max_payload) {
             *v = Verdict::TooLarge;
             if let Some(k) = key {
                 refused.insert(k);
@@ -734,7 +747,13 @@ mod tests {
             created_at: SystemTime::UNIX_EPOCH,
             attempts: 0,
             size,
+            headers: 0,
         }
+    }
+
+    fn with_headers(mut head: Head, headers: i64) -> Head {
+        head.headers = headers;
+        head
     }
 
     fn limits(rows: i64, bytes: i64) -> ClaimLimits {
@@ -784,6 +803,28 @@ mod tests {
         // At the limit it goes.
         let at = [head(1, Some("a"), "d", 100)];
         assert_eq!(too_large(&at, vec![Verdict::Go], &limits), [Verdict::Go]);
+        // Headers larger than a message can be: the same, whatever the
+        // payload.
+        let heads = [
+            with_headers(head(1, Some("a"), "d", 1), 101),
+            head(2, Some("a"), "d", 1),
+            with_headers(head(3, Some("b"), "d", 1), 100),
+        ];
+        assert_eq!(
+            too_large(&heads, vec![Verdict::Go; 3], &limits),
+            [Verdict::TooLarge, Verdict::Blocked(None), Verdict::Go]
+        );
+    }
+
+    #[test]
+    fn a_claims_byte_limit_counts_headers_as_well_as_payloads() {
+        let rows = vec![
+            with_headers(head(1, None, "d", 10), 500),
+            head(2, None, "d", 10),
+            head(3, None, "d", 10),
+        ];
+        assert_eq!(seqs(&Heads::keep(rows.clone(), &limits(10, 515))), [1]);
+        assert_eq!(seqs(&Heads::keep(rows, &limits(10, 530))), [1, 2, 3]);
     }
 
     #[test]

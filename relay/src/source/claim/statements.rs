@@ -24,8 +24,21 @@ impl Queries {
         // What the verdicts need of a locked row, without its headers or
         // payload: the locking scans return each row whole otherwise, and
         // their results are kept until the union reads them.
+        //
+        // The sizes, so that no row is read before the relay knows it can
+        // hold it. `octet_length` of the payload reads its length from the
+        // TOAST pointer. The headers are jsonb, whose length as text (what
+        // the relay receives) no function gives without printing it: one
+        // stored uncompressed is about as long as its text, and printing
+        // it is left to a compressed one, which only headers of kilobytes
+        // are (Postgres compresses a row's largest values first, once it
+        // is over 2 KB). Compression can shrink a long repetitive header
+        // (150 MB of one letter fits in 2 MB) as it cannot the text.
         let columns = "seq, message_id, destination, ordering_key, routing_key, content_type, \
-                       event_type, created_at, attempts, octet_length(payload)::bigint AS size";
+                       event_type, created_at, attempts, octet_length(payload)::bigint AS size, \
+                       coalesce(CASE WHEN pg_column_compression(headers) IS NULL \
+                                     THEN pg_column_size(headers) \
+                                     ELSE octet_length(headers::text) END, 0)::bigint AS headers_size";
         Queries {
             // A claim is two round trips. The first (`lock`) runs the two
             // locking scans, each bounded by the batch size: fresh rows in
