@@ -34,7 +34,10 @@ fn reference(table: &str, dead_letters: &str, paused: &str) -> (String, String) 
     );
     let verdicts = format!(
         "WITH locked AS ( \
-            SELECT seq, destination, ordering_key, octet_length(payload) AS size FROM {table} \
+            SELECT seq, destination, ordering_key, \
+                   octet_length(payload) + coalesce(CASE WHEN pg_column_compression(headers) IS NULL \
+                       THEN greatest(pg_column_size(headers) - 5, 0) \
+                       ELSE octet_length(headers::text) END, 0) AS size FROM {table} \
             WHERE seq = ANY(current_setting('outbox.claimed')::bigint[]) \
          ), cand AS ( \
             SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before, \

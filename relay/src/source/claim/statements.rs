@@ -33,11 +33,14 @@ impl Queries {
         // it is left to a compressed one, which only headers of kilobytes
         // are (Postgres compresses a row's largest values first, once it
         // is over 2 KB). Compression can shrink a long repetitive header
-        // (150 MB of one letter fits in 2 MB) as it cannot the text.
+        // (150 MB of one letter fits in 2 MB) as it cannot the text. The 5
+        // bytes an empty object takes are not counted, so that a row
+        // without headers counts its payload alone, as the relay's budget
+        // does once it is read (`Envelope::bytes`).
         let columns = "seq, message_id, destination, ordering_key, routing_key, content_type, \
                        event_type, created_at, attempts, octet_length(payload)::bigint AS size, \
                        coalesce(CASE WHEN pg_column_compression(headers) IS NULL \
-                                     THEN pg_column_size(headers) \
+                                     THEN greatest(pg_column_size(headers) - 5, 0) \
                                      ELSE octet_length(headers::text) END, 0)::bigint AS headers_size";
         Queries {
             // A claim is two round trips. The first (`lock`) runs the two
