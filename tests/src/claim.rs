@@ -97,7 +97,7 @@ impl ClaimSession {
         client
             .batch_execute(&format!(
                 "PREPARE lock(bigint, smallint[], bigint, bigint[]) AS {}; \
-                 PREPARE probe(text[], bigint[], bigint[], bigint) AS {}; \
+                 PREPARE probe(text[], bigint[], bigint[], bigint, bigint, bigint[]) AS {}; \
                  PREPARE bodies(bigint[]) AS {}",
                 queries.lock_sql(),
                 queries.probe_sql(),
@@ -134,11 +134,13 @@ impl ClaimSession {
         let (keys, tops, kept) = heads.probe_args();
         if !keys.is_empty() {
             let probe = format!(
-                "probe({}, {}, {}, {})",
+                "probe({}, {}, {}, {}, {}, {})",
                 array(&keys, "text[]"),
                 array(&tops, "bigint[]"),
                 array(&kept, "bigint[]"),
-                floor.probe
+                floor.probe,
+                floor.scan,
+                array(floor.open_writers(), "bigint[]")
             );
             self.explain(&probe, &mut cost).await?;
         }

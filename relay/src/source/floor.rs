@@ -88,13 +88,20 @@ pub struct Floor {
 /// (see [`Passed`]): a row one of them commits is fresh below `scan` until
 /// the floor comes back for it, and must still hold back its key's later
 /// rows meanwhile.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct FloorAt {
     /// Where the scan for fresh rows starts.
     pub scan: i64,
     /// Where the head-of-key probe stops looking at every row. At most
     /// `scan`.
     pub probe: i64,
+    /// The transaction ids (`xid8`) of the writers that put `probe` below
+    /// `scan`, when each is known. While every one of them is still in
+    /// progress, nothing it wrote is visible to the claim, and the probe
+    /// looks from `scan` instead (see [`crate::source::claim`]): looking
+    /// from `probe`, it walked each batch key's rows deleted since, which
+    /// such a writer keeps from being marked dead. `None`: from `probe`.
+    pub open: Option<Arc<[i64]>>,
 }
 
 impl From<i64> for FloorAt {
@@ -102,7 +109,16 @@ impl From<i64> for FloorAt {
         FloorAt {
             scan: seq,
             probe: seq,
+            open: None,
         }
+    }
+}
+
+impl FloorAt {
+    /// The ids of the writers whose progress lets the probe look from
+    /// `scan`; empty when it must look from `probe`.
+    pub fn open_writers(&self) -> &[i64] {
+        self.open.as_deref().unwrap_or(&[])
     }
 }
 
@@ -114,7 +130,7 @@ impl Floor {
 
     /// Both of the floor's seqs, read together.
     pub fn at(&self) -> FloorAt {
-        *self.at.lock().unwrap_or_else(|p| p.into_inner())
+        self.at.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Counts a claim that took rows, so the floor moves only while there
@@ -134,8 +150,9 @@ struct Statements {
     /// The sequence's cache size and last value (`CACHE 1` or no floor).
     sequence: String,
     /// Transactions holding a `RowExclusiveLock` on the outbox table (the
-    /// lock an insert takes), and whether one of them is prepared
-    /// (two-phase commit: it can commit later with no session).
+    /// lock an insert takes), each with its transaction id when it has one,
+    /// and whether one of them is prepared (two-phase commit: it can commit
+    /// later with no session).
     writers: String,
     /// The lowest fresh seq in [$1, $2], else $2 + 1.
     lowest_fresh: String,
@@ -151,14 +168,25 @@ impl Statements {
                  FROM pg_sequence s \
                  WHERE s.seqrelid = pg_get_serial_sequence('{literal}', 'seq')::regclass"
             ),
+            // One read of the lock table, for both the writers and their
+            // ids: one row per writer and id it holds an `ExclusiveLock` on
+            // (its own, then its subtransactions'; none before its first
+            // write), with the current snapshot's xmax to widen those ids
+            // of 32 bits against (see [`widen`]).
             writers: format!(
-                "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{{}}'), coalesce(bool_or(pid IS NULL), false) \
-                 FROM pg_locks \
-                 WHERE locktype = 'relation' \
-                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-                   AND relation = '{literal}'::regclass \
-                   AND mode = 'RowExclusiveLock' \
-                   AND pid IS DISTINCT FROM pg_backend_pid()"
+                "WITH l AS MATERIALIZED (SELECT * FROM pg_locks), \
+                      w AS ( \
+                        SELECT virtualtransaction AS vxid, bool_or(pid IS NULL) AS prepared FROM l \
+                        WHERE locktype = 'relation' \
+                          AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                          AND relation = '{literal}'::regclass \
+                          AND mode = 'RowExclusiveLock' \
+                          AND pid IS DISTINCT FROM pg_backend_pid() \
+                        GROUP BY virtualtransaction) \
+                 SELECT w.vxid, w.prepared, t.transactionid::text::bigint AS xid, \
+                        pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax \
+                 FROM w LEFT JOIN l t ON t.locktype = 'transactionid' \
+                   AND t.virtualtransaction = w.vxid AND t.mode = 'ExclusiveLock' AND t.granted"
             ),
             lowest_fresh: format!(
                 "SELECT coalesce((SELECT seq FROM {table} \
@@ -197,6 +225,9 @@ pub const PASS_AFTER: Duration = Duration::from_millis(500);
 struct Passed {
     writer: String,
     base: i64,
+    /// Its transaction id, once one was seen (a transaction gets one at its
+    /// first write, just after it takes its lock).
+    xid: Option<i64>,
 }
 
 /// [`Statements`] prepared on the tracker's connection.
@@ -296,7 +327,7 @@ impl Tracker {
                 let listed = async {
                     let row = client.query_one(&prepared.sequence, &[]).await?;
                     let upto: i64 = row.get(1);
-                    let (writers, _) = writers_now(client, prepared).await?;
+                    let writers = writers_now(client, prepared).await?.vxids;
                     Ok::<_, tokio_postgres::Error>(Candidate {
                         upto,
                         writers,
@@ -333,11 +364,14 @@ impl Tracker {
 
     /// The floor to claim from, when the fresh scan may start at `scan`:
     /// the head-of-key probe looks at every row from the base of the
-    /// writers moved past, if any.
+    /// writers moved past, if any, once one of them is no longer in
+    /// progress (or any has no known id).
     pub fn at(&self, scan: i64) -> FloorAt {
+        let open: Option<Vec<i64>> = self.passed.iter().map(|p| p.xid).collect();
         FloorAt {
             scan,
             probe: self.passed_base().map_or(scan, |b| b.min(scan)),
+            open: open.filter(|ids| !ids.is_empty()).map(Arc::from),
         }
     }
 
@@ -358,8 +392,12 @@ impl Tracker {
         if self.candidate.is_none() && self.passed.is_empty() {
             return Ok(None);
         }
-        let (writers, two_phase) = writers_now(client, prepared).await?;
-        if two_phase {
+        let listed = writers_now(client, prepared).await?;
+        for p in &mut self.passed {
+            p.xid = p.xid.or_else(|| listed.xid(&p.writer));
+        }
+        let writers = &listed.vxids;
+        if listed.two_phase {
             // A prepared transaction can commit at any time later, with no
             // session behind it, and may be one the floor moved past while
             // it was still an ordinary one: the floor goes back to the base
@@ -415,6 +453,7 @@ impl Tracker {
                     self.passed.push(Passed {
                         writer: w.clone(),
                         base: current,
+                        xid: listed.xid(w),
                     });
                 }
             }
@@ -432,14 +471,65 @@ impl Tracker {
     }
 }
 
-/// The writers holding a lock on the outbox now, and whether one is a
-/// prepared transaction.
+/// The writers holding a `RowExclusiveLock` on the outbox at one moment.
+#[derive(Debug)]
+struct Writers {
+    /// Their virtual transaction ids.
+    vxids: Vec<String>,
+    /// Each one's transaction id (`xid8`), if it has one yet.
+    xids: Vec<Option<i64>>,
+    /// Whether one is a prepared transaction.
+    two_phase: bool,
+}
+
+impl Writers {
+    fn xid(&self, vxid: &str) -> Option<i64> {
+        let i = self.vxids.iter().position(|w| w == vxid)?;
+        self.xids.get(i).copied().flatten()
+    }
+}
+
+/// The writers holding a lock on the outbox now.
 async fn writers_now(
     client: &Client,
     prepared: &Prepared,
-) -> Result<(Vec<String>, bool), tokio_postgres::Error> {
-    let row = client.query_one(&prepared.writers, &[]).await?;
-    Ok((row.get(0), row.get(1)))
+) -> Result<Writers, tokio_postgres::Error> {
+    let rows = client.query(&prepared.writers, &[]).await?;
+    let mut writers = Writers {
+        vxids: Vec::new(),
+        xids: Vec::new(),
+        two_phase: false,
+    };
+    for row in rows {
+        let vxid: String = row.try_get(0)?;
+        writers.two_phase |= row.try_get::<_, bool>(1)?;
+        let xid = row
+            .try_get::<_, Option<i64>>(2)?
+            .map(|x| widen(x, row.get(3)));
+        match writers.vxids.iter().position(|w| *w == vxid) {
+            // Its own id was given before its subtransactions'.
+            Some(i) => writers.xids[i] = writers.xids[i].into_iter().chain(xid).min(),
+            None => {
+                writers.vxids.push(vxid);
+                writers.xids.push(xid);
+            }
+        }
+    }
+    Ok(writers)
+}
+
+/// A transaction id of 32 bits (as `pg_locks` gives it) as the 64-bit
+/// `xid8` it stands for, given `xmax`, a snapshot's xmax (`xid8`) taken
+/// while that transaction ran: the two are less than 2^31 apart, either
+/// way, since ids are never reused within that distance of a running one.
+fn widen(xid: i64, xmax: i64) -> i64 {
+    let delta = (xid - xmax).rem_euclid(1 << 32);
+    let delta = if delta >= 1 << 31 {
+        delta - (1 << 32)
+    } else {
+        delta
+    };
+    xmax + delta
 }
 
 /// Keeps `floor` moving while claims take rows, and recomputes it from seq 0
@@ -522,4 +612,27 @@ pub async fn run(
         |e: &super::PgFault| tracing::debug!(error = %e, "claim floor session ended; reconnecting"),
     )
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::widen;
+
+    #[test]
+    fn a_32_bit_id_is_widened_to_the_epoch_it_runs_in() {
+        let epoch = |e: i64, x: i64| (e << 32) + x;
+        // Below the snapshot's xmax, in the same epoch.
+        assert_eq!(widen(40_000, epoch(3, 40_500)), epoch(3, 40_000));
+        // Given after the snapshot was taken: just above its xmax.
+        assert_eq!(widen(40_700, epoch(3, 40_500)), epoch(3, 40_700));
+        // Begun before the counter wrapped, the snapshot after.
+        assert_eq!(
+            widen(u32::MAX as i64 - 5, epoch(3, 10)),
+            epoch(2, u32::MAX as i64 - 5)
+        );
+        // Given after the wrap, the snapshot before it.
+        assert_eq!(widen(3, epoch(2, u32::MAX as i64 - 5)), epoch(3, 3));
+        // In the first epoch.
+        assert_eq!(widen(740, 741), 740);
+    }
 }

@@ -5,12 +5,12 @@
 //! a hand-written UPDATE).
 
 use std::collections::HashSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use outbox_client::Message;
 use outbox_relay::publish::memory::MemoryPublisher;
-use outbox_relay::source::floor::{Tracker, PASS_AFTER};
-use outbox_tests::claim::run_claim;
+use outbox_relay::source::floor::{FloorAt, Tracker, PASS_AFTER};
+use outbox_tests::claim::{run_claim, ClaimSession};
 use outbox_tests::db::{connect, TestDb};
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
 use rand::{Rng, SeedableRng};
@@ -100,7 +100,10 @@ async fn a_pinned_snapshot_does_not_make_claims_walk_deleted_rows() {
 /// up to 1.5 s, or roll back, under a snapshot pinned for the whole run.
 /// Every committed message must go out and no rolled-back one, with no
 /// rescan to rescue a row the floor passed, and the floor must have moved
-/// (else the test proves nothing).
+/// (else the test proves nothing). Per key, a row committed before a later
+/// row's transaction began to commit must go out first: the floor moves
+/// past the transactions held open, and the head-of-key probe must still
+/// see what they commit.
 #[tokio::test]
 async fn late_commits_are_never_passed_by_the_floor() {
     outbox_tests::init_logging();
@@ -123,6 +126,10 @@ async fn late_commits_are_never_passed_by_the_floor() {
     for w in 0..8u64 {
         let config = db.config.clone();
         let outbox = db.outbox();
+        let own_seqs = format!(
+            "SELECT message_id, seq, ordering_key FROM {} WHERE message_id = ANY($1)",
+            db.table()
+        );
         writers.push(tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (w + 1));
             let mut client = connect(&config).await;
@@ -137,23 +144,37 @@ async fn late_commits_are_never_passed_by_the_floor() {
                     })
                     .collect();
                 let ids = outbox.enqueue_batch(&tx, &batch).await.expect("enqueue");
+                let rows: Vec<Written> = tx
+                    .query(
+                        &own_seqs,
+                        &[&ids.iter().map(|i| i.as_uuid()).collect::<Vec<_>>()],
+                    )
+                    .await
+                    .expect("own seqs")
+                    .iter()
+                    .map(|r| Written {
+                        id: r.get(0),
+                        seq: r.get(1),
+                        key: r.get(2),
+                        commit_began: Instant::now(),
+                        committed: Instant::now(),
+                    })
+                    .collect();
                 match rng.random_range(0..10) {
                     // Late: hold the rows uncommitted while others commit
                     // and go out, then commit.
                     0..=2 => {
                         tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500)))
                             .await;
-                        tx.commit().await.expect("commit");
-                        committed.extend(ids);
+                        committed.extend(commit_timed(tx, rows).await);
                     }
                     3 => {
                         tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
                         tx.rollback().await.expect("rollback");
-                        rolled_back.extend(ids);
+                        rolled_back.extend(ids.iter().map(|i| i.as_uuid()));
                     }
                     _ => {
-                        tx.commit().await.expect("commit");
-                        committed.extend(ids);
+                        committed.extend(commit_timed(tx, rows).await);
                         tokio::time::sleep(Duration::from_millis(rng.random_range(0..40))).await;
                     }
                 }
@@ -162,7 +183,7 @@ async fn late_commits_are_never_passed_by_the_floor() {
         }));
     }
     let mut highest_floor = 0;
-    let mut committed = HashSet::new();
+    let mut written = Vec::new();
     let mut rolled_back = HashSet::new();
     for writer in writers {
         while !writer.is_finished() {
@@ -170,11 +191,13 @@ async fn late_commits_are_never_passed_by_the_floor() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let (c, r) = writer.await.expect("writer");
-        committed.extend(c.into_iter().map(|i| i.as_uuid()));
-        rolled_back.extend(r.into_iter().map(|i| i.as_uuid()));
+        written.extend(c);
+        rolled_back.extend(r);
     }
+    let committed: HashSet<uuid::Uuid> = written.iter().map(|w| w.id).collect();
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
-    let published: HashSet<_> = published(&relay).into_iter().collect();
+    let order = published(&relay);
+    let published: HashSet<_> = order.iter().copied().collect();
     let missing = committed.difference(&published).count();
     assert!(
         drained && missing == 0,
@@ -184,6 +207,30 @@ async fn late_commits_are_never_passed_by_the_floor() {
     assert!(
         published.is_disjoint(&rolled_back),
         "seed {seed}: a rolled-back message went out"
+    );
+    let first: std::collections::HashMap<uuid::Uuid, usize> = order
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, id)| (*id, i))
+        .collect();
+    let mut inversions = Vec::new();
+    for a in &written {
+        for b in &written {
+            if a.key == b.key
+                && a.seq < b.seq
+                && a.committed < b.commit_began
+                && first[&b.id] < first[&a.id]
+            {
+                inversions.push((a.seq, b.seq));
+            }
+        }
+    }
+    assert!(
+        inversions.is_empty(),
+        "seed {seed}: {} rows went out before an older row of their key committed earlier, e.g. (older, newer) seqs {:?}",
+        inversions.len(),
+        &inversions[..inversions.len().min(5)]
     );
     assert!(
         highest_floor > 100,
@@ -284,6 +331,112 @@ async fn a_long_writer_transaction_does_not_hold_the_floor() {
         );
     }
     relay.stop().await;
+    db.cleanup().await;
+}
+
+/// A writer left open while one hot key drains: the floor moves past it,
+/// and its transaction pins the horizon, so the 5,000 rows of the key
+/// deleted since cannot be marked dead. While it is still in progress,
+/// nothing it wrote is visible, and the head-of-key probe looks from the
+/// floor; looking from where the floor was when it passed the writer (as
+/// it did for as long as the writer ran), each claim walked all 5,000 for
+/// the key. Once it has committed, a claim with the same floor must look
+/// from there again, and hold its key's next row back behind its row.
+#[tokio::test]
+async fn a_writer_left_open_does_not_make_the_probe_walk_a_hot_keys_deleted_rows() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let relay = without_rescan(&db);
+    let writer = connect(&db.config).await;
+    writer.batch_execute("BEGIN").await.expect("begin");
+    db.outbox()
+        .enqueue(&writer, &message("x", "w", "w".to_owned()))
+        .await
+        .expect("enqueue");
+    // The rows deleted are of 1 KiB, seven to a page; those the claims
+    // then take are small, so that what the probe walks shows.
+    let hot = |n: usize, size: usize| -> Vec<Message> {
+        (0..n)
+            .map(|i| message("x", "hot", format!("hot-{i}-{}", "p".repeat(size))))
+            .collect()
+    };
+    db.outbox()
+        .enqueue_batch(&db.client, &hot(5_000, 1024))
+        .await
+        .expect("enqueue");
+    let max_seq = format!("SELECT max(seq) FROM {}", db.table());
+    let top: i64 = db
+        .client
+        .query_one(&max_seq, &[])
+        .await
+        .expect("max")
+        .get(0);
+    assert!(
+        eventually(PATIENCE, || async { relay.floor.get() > top }).await,
+        "the floor stayed at {} below {top}",
+        relay.floor.get()
+    );
+    let at = relay.floor.at();
+    relay.stop().await;
+    assert!(
+        at.probe < at.scan && at.open_writers().len() == 1,
+        "the floor did not pass the open writer with its id: {at:?}"
+    );
+    let next = db
+        .outbox()
+        .enqueue(&db.client, &message("x", "w", "w again".to_owned()))
+        .await
+        .expect("enqueue");
+    let next_seq: i64 = db
+        .client
+        .query_one(&max_seq, &[])
+        .await
+        .expect("max")
+        .get(0);
+    db.outbox()
+        .enqueue_batch(&db.client, &hot(500, 0))
+        .await
+        .expect("enqueue");
+    let from_base = FloorAt {
+        open: None,
+        ..at.clone()
+    };
+    let (walked, taken_from_base) = run_claim(&db.config, &db.schema, from_base.clone())
+        .await
+        .expect("claim probing from the base");
+    let (open, taken) = run_claim(&db.config, &db.schema, at.clone())
+        .await
+        .expect("claim probing from the floor");
+    println!(
+        "claim buffers with a writer open: {} probing from where it was passed, {} from the floor",
+        walked.buffers, open.buffers
+    );
+    assert_eq!(
+        taken, taken_from_base,
+        "where the probe looked changed what the claim takes"
+    );
+    // The 5,000 deleted rows of 1 KiB fill about 700 heap pages, which a
+    // probe from the base visits one by one; the rest of the claim (500
+    // small rows locked and read) is the same either way.
+    assert!(
+        walked.buffers >= open.buffers + 600,
+        "with the writer in progress the claim still touched {} buffers (from its base: {})",
+        open.buffers,
+        walked.buffers
+    );
+    // Committed, the writer's row is visible below the scan, and the same
+    // floor must hold its key's next row back behind it.
+    writer.batch_execute("COMMIT").await.expect("commit");
+    let session = ClaimSession::open(&db.config, &db.schema)
+        .await
+        .expect("session");
+    let verdicts = session.verdicts(at).await.expect("claim");
+    let verdict = verdicts.iter().find(|v| v.0 == next_seq);
+    assert_eq!(
+        verdict,
+        Some(&(next_seq, true)),
+        "key w's next row (id {next:?}) was not held back behind the row its writer committed"
+    );
     db.cleanup().await;
 }
 
@@ -467,6 +620,28 @@ async fn an_index_build_waiting_behind_a_report_is_not_taken_for_a_writer() {
         .expect("the index is built");
     relay.stop().await;
     db.cleanup().await;
+}
+
+/// A committed row of the seeded late-commit scenario, and when its
+/// transaction's commit began and returned.
+struct Written {
+    id: uuid::Uuid,
+    seq: i64,
+    key: String,
+    commit_began: Instant,
+    committed: Instant,
+}
+
+/// Commits `tx`, whose rows are `rows`, and stamps them with when the
+/// commit began and returned.
+async fn commit_timed(tx: tokio_postgres::Transaction<'_>, mut rows: Vec<Written>) -> Vec<Written> {
+    let began = Instant::now();
+    tx.commit().await.expect("commit");
+    let done = Instant::now();
+    for r in &mut rows {
+        (r.commit_began, r.committed) = (began, done);
+    }
+    rows
 }
 
 /// The ids of the messages the relay's in-memory broker has accepted, in

@@ -135,7 +135,9 @@ impl Queries {
 
     /// The head-of-key probes, for EXPLAIN. Its parameters: the kept rows'
     /// keys (`text[]`) and each key's newest kept seq (`bigint[]`), the kept
-    /// seqs (`bigint[]`), floor; [`Heads::probe_args`] gives the first three.
+    /// seqs (`bigint[]`), the floor's probe and scan seqs, and the ids of
+    /// the writers it moved past (`bigint[]`, see [`FloorAt`]);
+    /// [`Heads::probe_args`] gives the first three.
     pub fn probe_sql(&self) -> &str {
         &self.probe
     }
@@ -176,6 +178,8 @@ impl Queries {
                     Type::INT8_ARRAY,
                     Type::INT8_ARRAY,
                     Type::INT8,
+                    Type::INT8,
+                    Type::INT8_ARRAY,
                 ],
             )
             .await?;
@@ -271,7 +275,9 @@ impl Queries {
                 .collect();
             &fitting
         };
-        let probe_params: [&(dyn ToSql + Sync); 4] = [&keys, &tops, &kept, &floor.probe];
+        let open = floor.open_writers();
+        let probe_params: [&(dyn ToSql + Sync); 6] =
+            [&keys, &tops, &kept, &floor.probe, &floor.scan, &open];
         let bodies_params: [&(dyn ToSql + Sync); 1] = [&read];
         // try_join! polls in order, and each query is sent at its first
         // poll: the three go out together, the bodies last, so that they

@@ -114,20 +114,37 @@ impl Queries {
             // Only keys with something found come back. A blocker's time is
             // returned only when it is finite: an in-flight fresh row's
             // '-infinity' says nothing to wait for.
+            //
+            // `$4` is the floor's probe seq, `$5` its scan seq, and `$6` the
+            // ids of the writers the floor moved past (see
+            // `source::floor::FloorAt`). While each is still in progress,
+            // nothing it wrote is visible to this statement's snapshot,
+            // which was taken before the check, and the probe looks from
+            // `$5`: from `$4`, it walked each key's rows deleted since that
+            // writer was passed, which it keeps from being marked dead.
+            // `pg_xact_status` is volatile: in a subquery of its own, it is
+            // asked once per statement and its answer can bound an index
+            // scan.
             probe: format!(
-                "SELECT k.key, b.seq AS gap, \
+                "WITH f AS MATERIALIZED ( \
+                    SELECT CASE WHEN cardinality($6::bigint[]) > 0 AND NOT EXISTS ( \
+                        SELECT FROM unnest($6::bigint[]) AS x(id) \
+                        WHERE pg_xact_status(x.id::text::xid8) IS DISTINCT FROM 'in progress') \
+                      THEN $5::bigint ELSE $4::bigint END AS seq \
+                 ) \
+                 SELECT k.key, b.seq AS gap, \
                         CASE WHEN isfinite(b.next_attempt_at) THEN b.next_attempt_at END AS gap_until, \
                         d.parked_from \
                  FROM unnest($1::text[], $2::bigint[]) AS k(key, top) \
                  LEFT JOIN LATERAL ( \
                     SELECT o.seq, o.next_attempt_at FROM ( \
                         (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                         WHERE p.ordering_key = k.key AND p.seq >= $4 AND p.seq < k.top \
+                         WHERE p.ordering_key = k.key AND p.seq >= (SELECT seq FROM f) AND p.seq < k.top \
                            AND p.seq NOT IN (SELECT unnest($3::bigint[])) \
                          ORDER BY p.seq LIMIT 1) \
                         UNION ALL \
                         (SELECT p.seq, p.next_attempt_at FROM {t} p \
-                         WHERE p.ordering_key = k.key AND p.seq < least($4, k.top) \
+                         WHERE p.ordering_key = k.key AND p.seq < least((SELECT seq FROM f), k.top) \
                            AND p.next_attempt_at <> '-infinity' \
                            AND p.seq NOT IN (SELECT unnest($3::bigint[])) \
                          ORDER BY p.seq LIMIT 1)) o \
