@@ -360,22 +360,7 @@ async fn a_writer_left_open_does_not_make_the_probe_walk_a_hot_keys_deleted_rows
             .map(|i| message("x", "hot", format!("hot-{i}-{}", "p".repeat(size))))
             .collect()
     };
-    db.outbox()
-        .enqueue_batch(&db.client, &hot(5_000, 1024))
-        .await
-        .expect("enqueue");
-    let max_seq = format!("SELECT max(seq) FROM {}", db.table());
-    let top: i64 = db
-        .client
-        .query_one(&max_seq, &[])
-        .await
-        .expect("max")
-        .get(0);
-    assert!(
-        eventually(PATIENCE, || async { relay.floor.get() > top }).await,
-        "the floor stayed at {} below {top}",
-        relay.floor.get()
-    );
+    floor_past(&db, &relay, &hot(5_000, 1024)).await;
     let at = relay.floor.at();
     relay.stop().await;
     assert!(
@@ -387,12 +372,7 @@ async fn a_writer_left_open_does_not_make_the_probe_walk_a_hot_keys_deleted_rows
         .enqueue(&db.client, &message("x", "w", "w again".to_owned()))
         .await
         .expect("enqueue");
-    let next_seq: i64 = db
-        .client
-        .query_one(&max_seq, &[])
-        .await
-        .expect("max")
-        .get(0);
+    let next_seq = max_seq(&db).await;
     db.outbox()
         .enqueue_batch(&db.client, &hot(500, 0))
         .await
@@ -496,7 +476,6 @@ async fn writers_open_in_turn_do_not_hold_the_probe_back() {
     // Rows of other keys keep the claims going meanwhile; the probe's seq
     // is sampled while two writers or more are open.
     let outbox = db.outbox();
-    let max_seq = format!("SELECT max(seq) FROM {}", db.table());
     let mut first_top = None;
     let (mut passed, mut late_probe) = (false, None::<i64>);
     let mut i = 0;
@@ -514,12 +493,7 @@ async fn writers_open_in_turn_do_not_hold_the_probe_back() {
         if open_now >= 2 {
             passed |= at.scan > at.probe;
             if first_top.is_none() {
-                let top: i64 = db
-                    .client
-                    .query_one(&max_seq, &[])
-                    .await
-                    .expect("max")
-                    .get(0);
+                let top = max_seq(&db).await;
                 first_top = Some(top);
             }
             if last_round.load(Ordering::SeqCst) {
@@ -676,22 +650,32 @@ async fn move_floor_past(db: &TestDb, relay: &InProcessRelay, n: usize) -> i64 {
     let others: Vec<Message> = (0..n)
         .map(|i| message("x", &format!("other-{i}"), format!("other-{i}")))
         .collect();
+    floor_past(db, relay, &others).await
+}
+
+/// Enqueues `rows`, waits until the relay has drained them and its floor
+/// is past them, and returns the floor then.
+async fn floor_past(db: &TestDb, relay: &InProcessRelay, rows: &[Message]) -> i64 {
     db.outbox()
-        .enqueue_batch(&db.client, &others)
+        .enqueue_batch(&db.client, rows)
         .await
         .expect("enqueue");
-    let top: i64 = db
-        .client
-        .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
-        .await
-        .expect("max")
-        .get(0);
+    let top = max_seq(db).await;
     assert!(
         eventually(PATIENCE, || async { relay.floor.get() > top }).await,
         "the floor stayed at {} below {top}",
         relay.floor.get()
     );
     relay.floor.get()
+}
+
+/// The highest seq given so far.
+async fn max_seq(db: &TestDb) -> i64 {
+    db.client
+        .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
+        .await
+        .expect("max")
+        .get(0)
 }
 
 /// A dead letter retried after the floor has passed its seq comes back due
