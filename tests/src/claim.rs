@@ -40,6 +40,7 @@ fn limits() -> ClaimLimits {
         park_recheck: Duration::from_secs(60),
         due_recheck: std::time::Duration::from_millis(10),
         max_payload: i64::MAX,
+        max_headers: i64::MAX,
     }
 }
 

@@ -121,34 +121,43 @@ async fn large_messages_drain_under_a_memory_cap_and_would_not_without_the_byte_
 /// it, with `--dead-letter-order skip`) delivered, under the cap.
 #[tokio::test]
 async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
-    huge_row_is_dead_lettered_unread("'{}'", "decode(repeat('ab', $2), 'hex')", "150000000").await;
-}
-
-/// The same with the bulk in the headers column: a payload of one byte,
-/// and one header 150 MB long (a trace context gone wrong, a payload put in
-/// a header by a hand-written writer). Postgres compresses it to about
-/// 2 MB on disk, so only its length as text says how much the relay would
-/// hold; the header frame's check comes after the read, too late.
-#[tokio::test]
-async fn a_row_whose_headers_are_larger_than_the_broker_takes_is_dead_lettered_unread() {
-    // `{"trace": "` and `"}` around the value.
     huge_row_is_dead_lettered_unread(
-        "jsonb_build_object('trace', repeat('a', $2))",
-        "'x'",
-        "headers of 150000013 bytes",
+        150_000_000,
+        "'{}'",
+        "decode(repeat('ab', $2), 'hex')",
+        "150000000",
     )
     .await;
 }
 
-/// Inserts one 150 MB row with `headers` and `payload` (SQL of `$2`, the
-/// size), then 200 rows behind it, and checks that the relay under the memory cap
+/// The same with the bulk in the headers column: a payload of one byte,
+/// and one header 100 MB long (a trace context gone wrong, a payload put in
+/// a header by a hand-written writer). Postgres compresses it to about
+/// 1 MB on disk, so only its length as text says how much the relay would
+/// hold. It is under RabbitMQ's message limit, but headers must fit in one
+/// frame (128 KiB), and the header frame's check comes after the read, too
+/// late: judged against the message limit, the row was read whole and the
+/// relay OOM-killed.
+#[tokio::test]
+async fn a_row_whose_headers_are_larger_than_the_broker_takes_is_dead_lettered_unread() {
+    // `{"trace": "` and `"}` around the value.
+    huge_row_is_dead_lettered_unread(
+        100_000_000,
+        "jsonb_build_object('trace', repeat('a', $2))",
+        "'x'",
+        "headers of about 100000013 bytes exceed the connection's frame size",
+    )
+    .await;
+}
+
+/// Inserts one row of `huge` bytes with `headers` and `payload` (SQL of
+/// `$2`, the size), then 200 rows behind it, and checks that the relay under the memory cap
 /// dead-letters that row unread, with a reason that contains `named`, and
 /// delivers the others.
-async fn huge_row_is_dead_lettered_unread(headers: &str, payload: &str, named: &str) {
+async fn huge_row_is_dead_lettered_unread(huge: i32, headers: &str, payload: &str, named: &str) {
     outbox_tests::init_logging();
     let rabbit = Fixture::new().await;
     let db = TestDb::new().await;
-    let huge = 150_000_000;
     db.client
         .execute(
             &format!(

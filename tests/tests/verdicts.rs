@@ -235,6 +235,7 @@ async fn the_relays_verdicts_agree_with_the_single_statement_they_replace() {
             park_recheck: Duration::from_secs(rng.random_range(1..600)),
             due_recheck: Duration::from_millis(10),
             max_payload: i64::MAX,
+            max_headers: i64::MAX,
         };
 
         // The reference, in a transaction of its own, rolled back.
@@ -376,6 +377,7 @@ async fn a_claim_keeps_the_oldest_rows_that_fit_and_one_row_always() {
                 park_recheck: Duration::from_secs(60),
                 due_recheck: Duration::from_millis(10),
                 max_payload: i64::MAX,
+                max_headers: i64::MAX,
             };
             session
                 .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")

@@ -364,6 +364,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             });
         // Read once: the limit a row is judged by names the reason too.
         let max_payload = self.publisher.max_payload_bytes();
+        let max_headers = self.publisher.max_header_bytes();
         let limits = ClaimLimits {
             rows: self.settings.batch_size,
             bytes: max_bytes,
@@ -371,6 +372,10 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             due_recheck: self.settings.poll_min,
             max_payload: max_payload
                 .map_or(i64::MAX, |(b, _)| i64::try_from(b).unwrap_or(i64::MAX)),
+            // Twice the limit: see `ClaimLimits::max_headers`.
+            max_headers: max_headers.map_or(i64::MAX, |(b, _)| {
+                i64::try_from(b).unwrap_or(i64::MAX).saturating_mul(2)
+            }),
         };
         let claiming = self.idle.claiming.lock().await;
         // Everything from the claim to the settle must end within half the
@@ -400,7 +405,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let mut holds = claimed.holds;
         // Rows the broker cannot take, known by their size and not read:
         // dead letters, settled with this batch.
-        let too_large = too_large(&claimed.too_large, max_payload);
+        let too_large = too_large(&claimed.too_large, max_payload, max_headers);
         let batch = hooks::claimed(claimed.batch);
         if batch.is_empty()
             && holds.is_empty()
@@ -680,28 +685,33 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     }
 }
 
-/// Each row too large for the broker (above `max_payload`, the limit and
-/// its name), with the reason its dead letter records.
-fn too_large(rows: &[TooLarge], max_payload: Option<(usize, &str)>) -> Vec<(i64, String)> {
-    let Some((limit, what)) = max_payload else {
-        return Vec::new();
-    };
+/// Each row too large for the broker (a payload above `max_payload`, or
+/// headers well above `max_headers`: each limit and its name), with the
+/// reason its dead letter records.
+fn too_large(
+    rows: &[TooLarge],
+    max_payload: Option<(usize, &str)>,
+    max_headers: Option<(usize, &str)>,
+) -> Vec<(i64, String)> {
     rows.iter()
-        .map(|r| {
-            // The payload's size is named whenever it is over, as it was
-            // before headers were counted.
-            let size = if r.bytes as u64 > limit as u64 {
-                format!("message of {} bytes exceeds", r.bytes)
-            } else {
-                format!("headers of {} bytes exceed", r.headers)
-            };
-            (
-                r.seq,
-                format!(
-                    "too large for the broker: {size} {what} of {limit} bytes \
-                     (dead-lettered without being read)"
+        .filter_map(|r| {
+            let over = match (max_payload, max_headers) {
+                (Some((limit, what)), _) if r.bytes as u64 > limit as u64 => {
+                    format!(
+                        "message of {} bytes exceeds {what} of {limit} bytes",
+                        r.bytes
+                    )
+                }
+                (_, Some((limit, what))) => format!(
+                    "headers of about {} bytes exceed {what} of {limit} bytes",
+                    r.headers
                 ),
-            )
+                _ => return None,
+            };
+            Some((
+                r.seq,
+                format!("too large for the broker: {over} (dead-lettered without being read)"),
+            ))
         })
         .collect()
 }

@@ -183,6 +183,14 @@ pub trait Publisher: Send + Sync + 'static {
         None
     }
 
+    /// The most header bytes a message can carry, if known, with the name
+    /// of the limit; by default the same as [`Publisher::max_payload_bytes`]
+    /// (Kafka's limit is the whole record's). A row whose headers are well
+    /// over it is dead-lettered without being read.
+    fn max_header_bytes(&self) -> Option<(usize, &'static str)> {
+        self.max_payload_bytes()
+    }
+
     /// Whether two messages of one key share their fate at the broker: if the
     /// first is refused, so is the second. The relay sends a key's messages in
     /// one go only while they share a lane; at a lane change it waits for the

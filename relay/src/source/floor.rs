@@ -507,7 +507,8 @@ async fn writers_now(
             .try_get::<_, Option<i64>>(2)?
             .map(|x| widen(x, row.get(3)));
         match writers.vxids.iter().position(|w| *w == vxid) {
-            // Its own id was given before its subtransactions'.
+            // Its own id is the lowest: it was given before any of its
+            // subtransactions' ids.
             Some(i) => writers.xids[i] = writers.xids[i].into_iter().chain(xid).min(),
             None => {
                 writers.vxids.push(vxid);

@@ -83,6 +83,7 @@ fn batch_limits() -> ClaimLimits {
         park_recheck: std::time::Duration::from_secs(60),
         due_recheck: std::time::Duration::from_millis(10),
         max_payload: i64::MAX,
+        max_headers: i64::MAX,
     }
 }
 

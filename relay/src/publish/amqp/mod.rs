@@ -85,6 +85,10 @@ pub struct AmqpPublisher {
     /// RabbitMQ's default until a channel closes for a larger message and the
     /// broker's error names its limit.
     max_message_size: AtomicUsize,
+    /// The frame size negotiated on the latest connection, which a message's
+    /// properties and headers must fit in (see `wire::check_header_frame`):
+    /// RabbitMQ's default until a batch has been sent on one.
+    frame_max: AtomicUsize,
     /// CloudEvents binary mode, when on: `ce-` headers on every message.
     cloudevents: Option<CloudEvents>,
     /// When the broker last confirmed anything, in milliseconds since
@@ -104,6 +108,9 @@ pub struct AmqpPublisher {
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 * 1024 * 1024;
 
+/// RabbitMQ's default `frame_max`: 128 KiB.
+const DEFAULT_FRAME_MAX: usize = 128 * 1024;
+
 impl std::fmt::Debug for AmqpPublisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpPublisher")
@@ -118,6 +125,7 @@ impl AmqpPublisher {
         AmqpPublisher {
             broker: Arc::new(Broker::new(settings)),
             max_message_size: AtomicUsize::new(DEFAULT_MAX_MESSAGE_SIZE),
+            frame_max: AtomicUsize::new(DEFAULT_FRAME_MAX),
             cloudevents: None,
             progress: AtomicU64::new(0),
             origin: Instant::now(),
@@ -297,6 +305,14 @@ impl Publisher for AmqpPublisher {
         ))
     }
 
+    /// Headers travel in one frame, whatever the message's size.
+    fn max_header_bytes(&self) -> Option<(usize, &'static str)> {
+        Some((
+            self.frame_max.load(Ordering::Relaxed),
+            "the connection's frame size (rabbitmq's frame_max)",
+        ))
+    }
+
     async fn publish(&self, batch: &[Envelope]) -> Result<Vec<Verdict>, PublishError> {
         let deadline = tokio::time::Instant::now() + self.broker.settings.confirm_timeout;
         self.publish_until(batch, deadline).await
@@ -350,6 +366,7 @@ impl Publisher for AmqpPublisher {
         let mut failed = None;
         // Negotiated once per connection; read once per batch, not per message.
         let frame_max = connection.configuration().frame_max();
+        self.frame_max.store(frame_max as usize, Ordering::Relaxed);
         for (i, env) in batch.iter().enumerate() {
             let key = env.ordering_key.as_deref();
             if key.is_some_and(|k| refused.contains(k)) {

@@ -56,6 +56,11 @@ pub struct ClaimLimits {
     /// Payload bytes above which the broker cannot take a message: a row
     /// larger is not read (see [`Claimed::too_large`]).
     pub max_payload: i64,
+    /// Header bytes, as the claim reckons them (see [`Head`]), above which
+    /// a row is not read either: twice the broker's limit, since that
+    /// reckoning is rough, and headers a little over the limit are refused
+    /// exactly once read.
+    pub max_headers: i64,
 }
 
 /// What one claim found.
@@ -264,13 +269,13 @@ impl Queries {
         let (keys, tops, kept) = heads.probe_args();
         // Rows too large for the broker are not read (see `too_large`).
         let fitting: Vec<i64>;
-        let read: &[i64] = if heads.rows.iter().all(|h| h.fits(limits.max_payload)) {
+        let read: &[i64] = if heads.rows.iter().all(|h| h.fits(limits)) {
             &kept
         } else {
             fitting = heads
                 .rows
                 .iter()
-                .filter(|h| h.fits(limits.max_payload))
+                .filter(|h| h.fits(limits))
                 .map(|h| h.seq)
                 .collect();
             &fitting
@@ -527,10 +532,10 @@ impl Head {
         })
     }
 
-    /// Whether the broker could take this row at `max_payload` bytes: a
-    /// payload or headers larger than its messages can be are never read.
-    fn fits(&self, max_payload: i64) -> bool {
-        self.size <= max_payload && self.headers <= max_payload
+    /// Whether the broker could take this row: a payload or headers larger
+    /// than `limits` allow are never read.
+    fn fits(&self, limits: &ClaimLimits) -> bool {
+        self.size <= limits.max_payload && self.headers <= limits.max_headers
     }
 }
 
@@ -611,7 +616,7 @@ enum Verdict {
 /// its key that would go left for the next claim: they follow it, and it
 /// becomes a dead letter only when this claim settles.
 fn too_large(heads: &[Head], mut verdicts: Vec<Verdict>, limits: &ClaimLimits) -> Vec<Verdict> {
-    if heads.iter().all(|h| h.fits(limits.max_payload)) {
+    if heads.iter().all(|h| h.fits(limits)) {
         return verdicts;
     }
     let mut refused: HashSet<&str> = HashSet::new();
@@ -622,7 +627,7 @@ fn too_large(heads: &[Head], mut verdicts: Vec<Verdict>, limits: &ClaimLimits) -
         let key = h.ordering_key.as_deref();
         if key.is_some_and(|k| refused.contains(k)) {
             *v = Verdict::Blocked(None);
-        } else if !h.fits(limits.max_payload) {
+        } else if !h.fits(limits) {
             *v = Verdict::TooLarge;
             if let Some(k) = key {
                 refused.insert(k);
@@ -769,6 +774,7 @@ mod tests {
             park_recheck: Duration::from_secs(60),
             due_recheck: Duration::from_millis(10),
             max_payload: i64::MAX,
+            max_headers: i64::MAX,
         }
     }
 
@@ -780,6 +786,7 @@ mod tests {
     fn a_row_too_large_for_the_broker_is_refused_and_its_keys_later_rows_wait() {
         let limits = ClaimLimits {
             max_payload: 100,
+            max_headers: 100,
             ..limits(10, 1_000_000)
         };
         let heads = [
