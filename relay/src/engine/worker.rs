@@ -420,6 +420,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             holds = claimed.behind_due;
         }
         let behind = claimed.blocked.len() > holds.len();
+        let left_out = claimed.left_out;
         if batch.is_empty() {
             if holds.is_empty() && too_large.is_empty() {
                 tx.release();
@@ -457,6 +458,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // The claim took all a batch may hold: by rows, or by bytes (the next
         // row, which the claim read but did not keep, would not have fit).
         let more = behind
+            || left_out
             || batch.len() + holds.len() >= self.settings.batch_size as usize
             || bytes.saturating_mul(2) >= usize::try_from(max_bytes).unwrap_or(usize::MAX);
         let Ok(_share) = self

@@ -86,6 +86,11 @@ pub struct Claimed {
     /// (plain SQL writers face no client limit). Their keys' later rows in
     /// this claim are left for the next claim, after them.
     pub too_large: Vec<TooLarge>,
+    /// Whether the claim locked rows it left out for the batch's row or
+    /// byte limits: it took all a batch may hold, whatever the rows it
+    /// kept turn out to weigh once read (their header bytes are reckoned
+    /// before).
+    pub left_out: bool,
 }
 
 /// A claimed row too large for the broker, known by its size alone.
@@ -324,7 +329,10 @@ impl Queries {
         futures::pin_mut!(bodies);
         let mut body = bodies.try_next().await?;
         let seq_of = |b: &Option<Row>| b.as_ref().map(|b| b.try_get::<_, i64>(0)).transpose();
-        let mut claimed = Claimed::default();
+        let mut claimed = Claimed {
+            left_out: heads.left_out,
+            ..Claimed::default()
+        };
         for (head, verdict) in heads.rows.into_iter().zip(verdicts) {
             // Blocked rows' bodies are passed over.
             while seq_of(&body)?.is_some_and(|seq| seq < head.seq) {
@@ -546,6 +554,8 @@ impl Head {
 pub struct Heads {
     /// Oldest first.
     pub rows: Vec<Head>,
+    /// Whether rows were locked and left out for the limits.
+    pub left_out: bool,
 }
 
 impl Heads {
@@ -567,8 +577,9 @@ impl Heads {
                 n <= limits.rows && (n == 1 || bytes <= limits.bytes)
             })
             .count();
+        let left_out = kept < rows.len();
         rows.truncate(kept);
-        Heads { rows }
+        Heads { rows, left_out }
     }
 
     /// The probe's first three parameters: each key among the kept rows,
@@ -836,8 +847,14 @@ mod tests {
             head(2, None, "d", 10),
             head(3, None, "d", 10),
         ];
-        assert_eq!(seqs(&Heads::keep(rows.clone(), &limits(10, 515))), [1]);
-        assert_eq!(seqs(&Heads::keep(rows, &limits(10, 530))), [1, 2, 3]);
+        let cut = Heads::keep(rows.clone(), &limits(10, 515));
+        assert_eq!(seqs(&cut), [1]);
+        // Left out by bytes reckoned before the rows were read: the batch
+        // is full, whatever its payloads weigh.
+        assert!(cut.left_out);
+        let all = Heads::keep(rows, &limits(10, 530));
+        assert_eq!(seqs(&all), [1, 2, 3]);
+        assert!(!all.left_out);
     }
 
     #[test]
