@@ -366,7 +366,10 @@ impl Publisher for AmqpPublisher {
         let mut failed = None;
         // Negotiated once per connection; read once per batch, not per message.
         let frame_max = connection.configuration().frame_max();
-        self.frame_max.store(frame_max as usize, Ordering::Relaxed);
+        if frame_max > 0 {
+            // 0 would say no limit, which RabbitMQ never negotiates.
+            self.frame_max.store(frame_max as usize, Ordering::Relaxed);
+        }
         for (i, env) in batch.iter().enumerate() {
             let key = env.ordering_key.as_deref();
             if key.is_some_and(|k| refused.contains(k)) {
