@@ -22,6 +22,22 @@ pub async fn connect(config: &Config) -> Client {
     client
 }
 
+/// Opens a REPEATABLE READ transaction and takes its snapshot: run on a
+/// connection of its own and left open, it pins the xmin horizon as a long
+/// report or `pg_dump` does, so rows deleted meanwhile cannot be marked
+/// dead. `ROLLBACK` ends it.
+pub const PIN_SNAPSHOT: &str =
+    "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class";
+
+/// A connection of its own holding [`PIN_SNAPSHOT`] open.
+pub async fn pinned_snapshot(config: &Config) -> Client {
+    let pin = connect(config).await;
+    pin.batch_execute(PIN_SNAPSHOT)
+        .await
+        .expect("pin a snapshot");
+    pin
+}
+
 /// DDL for [`TestDb::create_decoy`]: an `=` for text in the decoy schema
 /// that never finds two values equal, for a caller's path to find before
 /// pg_catalog's.

@@ -471,9 +471,7 @@ async fn latency(rates: &[u64], run: &Latency) -> anyhow::Result<()> {
     outbox_client::set_notify(&db.client, db.schema.as_str(), notify).await?;
     let pinned = outbox_tests::db::connect(&db.config).await;
     if pin {
-        pinned
-            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-            .await?;
+        pinned.batch_execute(outbox_tests::db::PIN_SNAPSHOT).await?;
         println!("a REPEATABLE READ snapshot is held open for the whole run");
     }
     // Commit instants by sequence number, and (sequence, receipt) pairs.

@@ -1039,12 +1039,7 @@ impl BacklogRun<'_> {
         let pinned = pin_with != Pin::None;
         match pin_with {
             Pin::None => {}
-            Pin::Snapshot => {
-                pin.batch_execute(
-                    "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class",
-                )
-                .await?
-            }
+            Pin::Snapshot => pin.batch_execute(outbox_tests::db::PIN_SNAPSHOT).await?,
             Pin::Writer => {
                 pin.batch_execute("BEGIN").await?;
                 let row = outbox_client::Message::builder("amq.default")

@@ -11,7 +11,7 @@ use outbox_client::Message;
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::source::floor::{FloorAt, Tracker, PASS_AFTER};
 use outbox_tests::claim::{run_claim, ClaimSession};
-use outbox_tests::db::{connect, TestDb};
+use outbox_tests::db::{connect, pinned_snapshot, TestDb};
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
 use rand::{Rng, SeedableRng};
 
@@ -48,10 +48,7 @@ async fn a_pinned_snapshot_does_not_make_claims_walk_deleted_rows() {
             .await
             .expect("enqueue");
     }
-    let pin = connect(&db.config).await;
-    pin.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .await
-        .expect("pin a snapshot");
+    let pin = pinned_snapshot(&db.config).await;
     db.client
         .batch_execute(&format!(
             "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT 19000)",
@@ -110,10 +107,7 @@ async fn late_commits_are_never_passed_by_the_floor() {
     let seed = outbox_tests::seed();
     println!("seed {seed}");
     let db = TestDb::new().await;
-    let pin = connect(&db.config).await;
-    pin.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .await
-        .expect("pin a snapshot");
+    let pin = pinned_snapshot(&db.config).await;
     let publisher = MemoryPublisher::new();
     let settings = outbox_relay::Settings {
         batch_size: 50,
@@ -551,11 +545,7 @@ async fn an_index_build_waiting_behind_a_report_is_not_taken_for_a_writer() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let relay = without_rescan(&db);
-    let report = connect(&db.config).await;
-    report
-        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class")
-        .await
-        .expect("pin a snapshot");
+    let report = pinned_snapshot(&db.config).await;
     let build = connect(&db.config).await;
     let building = {
         let sql = format!("CREATE INDEX CONCURRENTLY ON {} (created_at)", db.table());
