@@ -723,3 +723,62 @@ async fn a_header_rabbitmq_reads_as_routing_holds_back_only_its_message() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// A header whose JSON text is far longer than the header: a control
+/// character prints as `\u0001`, six bytes for one. Once the row is over
+/// 2 KB Postgres stores such headers compressed, and the claim sizes them
+/// before reading the row. Sized by their text (270 KB here, over twice
+/// RabbitMQ's 128 KiB frame) the row was dead-lettered unread, though its
+/// 45 KB fit the frame with room to spare. It must be delivered whole.
+#[tokio::test]
+async fn a_header_of_control_characters_is_sized_as_sent_not_as_printed() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    const LEN: i32 = 45_000;
+    let seq: i64 = db
+        .client
+        .query_one(
+            &format!(
+                "INSERT INTO {} (destination, ordering_key, headers, payload) \
+                 VALUES ($1, 'k0', jsonb_build_object('bin', repeat(chr(1), $2)), '\\x01') \
+                 RETURNING seq",
+                db.table()
+            ),
+            &[&rabbit.exchange, &LEN],
+        )
+        .await
+        .expect("insert the row")
+        .get(0);
+    // Asked after the insert: RETURNING sees the value before it is stored.
+    let stored: Vec<Option<String>> = db
+        .column(&format!(
+            "SELECT pg_column_compression(headers) FROM {} WHERE seq = {seq}",
+            db.table()
+        ))
+        .await;
+    assert!(
+        matches!(stored.as_slice(), [Some(_)]),
+        "the headers were not stored compressed: {stored:?}"
+    );
+    let relay = InProcessRelay::amqp(&db, fast_settings());
+    let dead_letters = format!("SELECT last_error FROM {}.dead_letters", db.schema.quoted());
+    // Either outcome ends the wait: delivered, or refused.
+    let settled = eventually(PATIENCE, || async {
+        rabbit.count() >= 1 || !db.column::<String>(&dead_letters).await.is_empty()
+    })
+    .await;
+    let arrived = settled && rabbit.count() >= 1;
+    let dead: Vec<String> = db.column(&dead_letters).await;
+    relay.stop().await;
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
+    assert!(arrived, "not delivered");
+    let header = rabbit.deliveries()[0].headers.get("bin").cloned();
+    assert_eq!(
+        header.map(|h| h.bytes().filter(|&b| b == 1).count()),
+        Some(LEN as usize),
+        "the header did not arrive whole"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

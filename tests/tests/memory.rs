@@ -133,19 +133,19 @@ async fn a_row_larger_than_the_broker_takes_is_dead_lettered_unread() {
 /// The same with the bulk in the headers column: a payload of one byte,
 /// and one header 100 MB long (a trace context gone wrong, a payload put in
 /// a header by a hand-written writer). Postgres compresses it to about
-/// 1 MB on disk, so only its length as text says how much the relay would
-/// hold. It is under RabbitMQ's message limit, but headers must fit in one
-/// frame (128 KiB), and the header frame's check comes after the read, too
-/// late: judged against the message limit, the row was read whole and the
-/// relay OOM-killed.
+/// 1 MB on disk, so only the value the server decompresses says how much
+/// the relay would hold. It is under RabbitMQ's message limit, but headers
+/// must fit in one frame (128 KiB), and the header frame's check comes
+/// after the read, too late: judged against the message limit, the row was
+/// read whole and the relay OOM-killed.
 #[tokio::test]
 async fn a_row_whose_headers_are_larger_than_the_broker_takes_is_dead_lettered_unread() {
-    // `{"trace": "` and `"}` around the value.
+    // The name's 5 bytes and the value's.
     huge_row_is_dead_lettered_unread(
         100_000_000,
         "jsonb_build_object('trace', repeat('a', $2))",
         "'x'",
-        "headers of about 100000013 bytes exceed the connection's frame size",
+        "headers of about 100000005 bytes exceed the connection's frame size",
     )
     .await;
 }

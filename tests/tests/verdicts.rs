@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
-use outbox_relay::source::claim::{ClaimLimits, Queries};
+use outbox_relay::source::claim::{ClaimLimits, Queries, HEADER_BYTES};
 use outbox_tests::db::TestDb;
 use rand::{Rng, SeedableRng};
 
@@ -35,9 +35,7 @@ fn reference(table: &str, dead_letters: &str, paused: &str) -> (String, String) 
     let verdicts = format!(
         "WITH locked AS ( \
             SELECT seq, destination, ordering_key, \
-                   octet_length(payload) + coalesce(CASE WHEN pg_column_compression(headers) IS NULL \
-                       THEN greatest(pg_column_size(headers) - 5, 0) \
-                       ELSE octet_length(headers::text) END, 0) AS size FROM {table} \
+                   (octet_length(payload) + {HEADER_BYTES})::int AS size FROM {table} \
             WHERE seq = ANY(current_setting('outbox.claimed')::bigint[]) \
          ), cand AS ( \
             SELECT c.*, row_number() OVER w AS n, sum(c.size) OVER w - c.size AS before, \

@@ -26,6 +26,8 @@ use crate::source::floor::FloorAt;
 
 mod statements;
 
+pub use statements::HEADER_BYTES;
+
 /// The statements a worker runs for every batch, prepared once per connection:
 /// Postgres parses them once per session instead of once per batch.
 #[derive(Debug, Clone)]
@@ -57,9 +59,10 @@ pub struct ClaimLimits {
     /// larger is not read (see [`Claimed::too_large`]).
     pub max_payload: i64,
     /// Header bytes, as the claim reckons them (see [`Head`]), above which
-    /// a row is not read either: twice the broker's limit, since that
-    /// reckoning is rough, and headers a little over the limit are refused
-    /// exactly once read.
+    /// a row is not read either: twice the broker's limit, since the
+    /// reckoning counts a few bytes a pair over and a frame carries the
+    /// message's other properties too; headers a little over the limit are
+    /// refused exactly once read.
     pub max_headers: i64,
 }
 
@@ -516,8 +519,9 @@ pub struct Head {
     attempts: i32,
     /// Payload bytes.
     size: i64,
-    /// Header bytes: the length of the headers' JSON text, or of their
-    /// stored form when it is not compressed (about the same).
+    /// Header bytes: names and values, as they travel (exact when the
+    /// headers are stored compressed, a few bytes a pair over when not; see
+    /// [`HEADER_BYTES`]).
     headers: i64,
 }
 

@@ -6,6 +6,28 @@ use outbox_client::SchemaName;
 
 use super::Queries;
 
+/// A row's header bytes, as the relay counts them once it has read the row
+/// (`Envelope::bytes`: names and values, as they travel), known without
+/// reading the row into the relay.
+///
+/// Headers stored uncompressed: their stored size, which is the names and
+/// values unescaped plus a few bytes per pair, less the 5 bytes an empty
+/// object takes, so that a row without headers counts its payload alone.
+/// Headers stored compressed (only headers of kilobytes are: Postgres
+/// compresses a row's largest values first once it is over 2 KB, and 150 MB
+/// of one letter fits in 2 MB) are decompressed in the server and summed
+/// pair by pair. Their JSON text is no measure: a control character prints
+/// as `\u0001`, six bytes for the one that travels, and a row with 45 KB of
+/// them, well within RabbitMQ's frame, was refused unread as 270 KB
+/// (`amqp_e2e::a_header_of_control_characters_is_sized_as_sent_not_as_printed`).
+/// A value that is not a string (rows written by hand) travels as its JSON
+/// text. The table's check keeps `headers` an object.
+pub const HEADER_BYTES: &str = "coalesce(CASE WHEN pg_column_compression(headers) IS NULL \
+     THEN greatest(pg_column_size(headers) - 5, 0) \
+     ELSE (SELECT sum(octet_length(h.name) + octet_length(CASE jsonb_typeof(h.value) \
+                      WHEN 'string' THEN h.value #>> '{}' ELSE h.value::text END)) \
+           FROM jsonb_each(headers) AS h(name, value)) END, 0)";
+
 impl Queries {
     /// Statements for the outbox in `schema`. With `park`, a dead-lettered
     /// message holds back the later messages of its key until it is retried or
@@ -26,22 +48,13 @@ impl Queries {
         // their results are kept until the union reads them.
         //
         // The sizes, so that no row is read before the relay knows it can
-        // hold it. `octet_length` of the payload reads its length from the
-        // TOAST pointer. The headers are jsonb, whose length as text (what
-        // the relay receives) no function gives without printing it: one
-        // stored uncompressed is about as long as its text, and printing
-        // it is left to a compressed one, which only headers of kilobytes
-        // are (Postgres compresses a row's largest values first, once it
-        // is over 2 KB). Compression can shrink a long repetitive header
-        // (150 MB of one letter fits in 2 MB) as it cannot the text. The 5
-        // bytes an empty object takes are not counted, so that a row
-        // without headers counts its payload alone, as the relay's budget
-        // does once it is read (`Envelope::bytes`).
-        let columns = "seq, message_id, destination, ordering_key, routing_key, content_type, \
-                       event_type, created_at, attempts, octet_length(payload)::bigint AS size, \
-                       coalesce(CASE WHEN pg_column_compression(headers) IS NULL \
-                                     THEN greatest(pg_column_size(headers) - 5, 0) \
-                                     ELSE octet_length(headers::text) END, 0)::bigint AS headers_size";
+        // hold it (see [`HEADER_BYTES`] for the headers'). `octet_length` of
+        // the payload reads its length from the TOAST pointer.
+        let columns = format!(
+            "seq, message_id, destination, ordering_key, routing_key, content_type, \
+             event_type, created_at, attempts, octet_length(payload)::bigint AS size, \
+             {HEADER_BYTES}::bigint AS headers_size"
+        );
         Queries {
             // A claim is two round trips. The first (`lock`) runs the two
             // locking scans, each bounded by the batch size: fresh rows in
