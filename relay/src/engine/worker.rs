@@ -450,9 +450,13 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         if hooks::settles_before_confirm() {
             return self.settle_before_confirm(tx, &batch).await;
         }
-        // The barrier that makes these rows durable runs while the batch
-        // waits for its budget and slot.
-        self.durable.ask(seen);
+        // The barrier that makes these rows durable, unless the claim
+        // showed they are, runs while the batch waits for its budget and
+        // slot.
+        let flushed = claimed.flushed;
+        if !flushed {
+            self.durable.ask(seen);
+        }
         // The batch's share of the payload budget, held until it settles.
         let bytes: usize = batch.iter().map(Envelope::bytes).sum();
         // The claim took all a batch may hold: by rows, or by bytes (the next
@@ -478,7 +482,11 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // neither can (see `source::durable`). A synchronous standby that
         // is missing makes that wait last: the rows go back unpublished
         // before another replica could take them.
-        let durable = tokio::time::timeout_at(deadline, self.durable.wait(seen)).await;
+        let durable = if flushed {
+            Ok(true)
+        } else {
+            tokio::time::timeout_at(deadline, self.durable.wait(seen)).await
+        };
         metrics::histogram!(crate::metrics::DURABLE_WAIT).record(seen.elapsed().as_secs_f64());
         match durable {
             Ok(true) => {}

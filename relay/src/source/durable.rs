@@ -21,6 +21,12 @@
 //! such commit covers every claim that ended before it was sent, so the
 //! workers share them, as Postgres shares a flush between the commits that
 //! arrive together.
+//!
+//! A claim that shows by itself that the WAL was flushed past every
+//! commit it saw, on a server that names no synchronous standby, needs no
+//! barrier (`claim::Claimed::flushed`): under writers that commit with the
+//! default, the flush is there, a round trip after the claim, for most
+//! claims.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
 use futures::TryStreamExt;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::{PgLsn, ToSql, Type};
 use tokio_postgres::{Client, Row, Statement};
 use uuid::Uuid;
 
@@ -94,6 +94,19 @@ pub struct Claimed {
     /// kept turn out to weigh once read (their header bytes are reckoned
     /// before).
     pub left_out: bool,
+    /// Whether every commit the claim could see is already durable, as the
+    /// claim itself showed: by its second round trip the WAL was flushed
+    /// past the insert position its locking scan read before locking any
+    /// row, and the server names no synchronous standby that would also
+    /// have to have it. A commit is inserted in the WAL before it becomes
+    /// visible, so each one the scan saw ends below that position. When
+    /// true, the batch needs no barrier (`source::durable`); when false, or
+    /// for a claim that found nothing, it does. Under writers that commit
+    /// with the server's default, the WAL is flushed at each of their
+    /// commits, and the flush had passed that point for most claims
+    /// (docs/benchmarks.md, "The barrier skipped when the claim shows its
+    /// commits flushed").
+    pub flushed: bool,
 }
 
 /// A claimed row too large for the broker, known by its size alone.
@@ -177,9 +190,26 @@ impl Queries {
         client
             .batch_execute("SET enable_bitmapscan = off; SET enable_seqscan = off")
             .await?;
+        // Whether this session may read the WAL's positions (see
+        // `statements::WAL_INSERTED`); refused, the claim goes without them.
+        let wal = client
+            .batch_execute(&format!(
+                "SELECT {}, {}",
+                statements::WAL_INSERTED,
+                statements::WAL_FLUSHED
+            ))
+            .await;
+        let without_wal = |sql: &str| match &wal {
+            Ok(()) => sql.to_owned(),
+            Err(e) => {
+                tracing::debug!(error = %e, "the WAL's positions are refused: every batch waits for the durability barrier");
+                sql.replace(statements::WAL_INSERTED, "NULL::pg_lsn")
+                    .replace(statements::WAL_FLUSHED, "NULL::pg_lsn")
+            }
+        };
         let lock = client
             .prepare_typed(
-                &self.lock,
+                &without_wal(&self.lock),
                 &[Type::INT8, Type::INT2_ARRAY, Type::INT8, Type::INT8_ARRAY],
             )
             .await?;
@@ -199,7 +229,7 @@ impl Queries {
         let bodies = client
             .prepare_typed(&self.bodies, &[Type::INT8_ARRAY])
             .await?;
-        let paused = client.prepare(&self.paused).await?;
+        let paused = client.prepare(&without_wal(&self.paused)).await?;
         let settle = match &self.retain {
             Some(retain) => {
                 client
@@ -270,10 +300,22 @@ impl Queries {
             Ok(rows) => rows.iter().filter_map(|r| r.try_get("seq").ok()).collect(),
             Err(_) => Vec::new(),
         });
-        let heads = Heads::from_rows(&rows?, limits)?;
+        let rows = rows?;
+        let heads = Heads::from_rows(&rows, limits)?;
         if heads.rows.is_empty() {
             return Ok(Claimed::default());
         }
+        // The earliest: read before this claim's locks wrote any WAL. None
+        // where the session may not read it.
+        let inserted = rows
+            .iter()
+            .map(|r| r.try_get::<_, Option<PgLsn>>("wal_inserted"))
+            .try_fold(None, |min: Option<PgLsn>, l| {
+                l.map(|l| match (min, l) {
+                    (Some(m), Some(l)) => Some(m.min(l)),
+                    (m, l) => m.or(l),
+                })
+            })?;
         let (keys, tops, kept) = heads.probe_args();
         // Rows too large for the broker are not read (see `too_large`).
         let fitting: Vec<i64>;
@@ -319,6 +361,9 @@ impl Queries {
             );
         }
         let now: SystemTime = paused.try_get("now")?;
+        let wal_flushed: Option<PgLsn> = paused.try_get("wal_flushed")?;
+        let flushed = paused.try_get::<_, bool>("no_sync_standby")?
+            && inserted.zip(wal_flushed).is_some_and(|(l, f)| f >= l);
         let paused: HashSet<String> = paused
             .try_get::<_, Vec<String>>("paused")?
             .into_iter()
@@ -334,6 +379,7 @@ impl Queries {
         let seq_of = |b: &Option<Row>| b.as_ref().map(|b| b.try_get::<_, i64>(0)).transpose();
         let mut claimed = Claimed {
             left_out: heads.left_out,
+            flushed,
             ..Claimed::default()
         };
         for (head, verdict) in heads.rows.into_iter().zip(verdicts) {

@@ -6,6 +6,14 @@ use outbox_client::SchemaName;
 
 use super::Queries;
 
+/// The WAL's insert and flush positions, as the claim reads them for
+/// `Claimed::flushed`. A server may refuse them (Aurora has been reported
+/// to refuse functions of this family; an administrator may revoke them):
+/// its sessions then prepare the claim with `NULL` in their place, and
+/// every batch waits for the barrier.
+pub(super) const WAL_INSERTED: &str = "pg_current_wal_insert_lsn()";
+pub(super) const WAL_FLUSHED: &str = "pg_current_wal_flush_lsn()";
+
 /// A row's header bytes, as the relay counts them once it has read the row
 /// (`Envelope::bytes`: names and values, as they travel), known without
 /// reading the row into the relay.
@@ -53,7 +61,7 @@ impl Queries {
         let columns = format!(
             "seq, message_id, destination, ordering_key, routing_key, content_type, \
              event_type, created_at, attempts, octet_length(payload)::bigint AS size, \
-             {HEADER_BYTES}::bigint AS headers_size"
+             {HEADER_BYTES}::bigint AS headers_size, {WAL_INSERTED} AS wal_inserted"
         );
         Queries {
             // A claim is two round trips. The first (`lock`) runs the two
@@ -110,6 +118,13 @@ impl Queries {
             // (docs/benchmarks.md, "The Kafka drain ..."). Passed over by
             // seq, they cost a lookup each. A seq listed after its row was
             // released is only passed over by that claim.
+            //
+            // Each row also carries the WAL's insert position, read after
+            // the statement's snapshot was taken, so that every commit the
+            // claim sees ends below it, and before the row is locked (the
+            // scan's columns are worked out below its lock): the earliest,
+            // read before any row was, lies below the WAL the locks write,
+            // which is flushed only with a commit (see `Claimed::flushed`).
             lock: format!(
                 "WITH fresh AS ( \
                     SELECT {columns} FROM {t} \
@@ -169,7 +184,12 @@ impl Queries {
             bodies: format!(
                 "SELECT seq, headers, payload FROM {t} WHERE seq = ANY($1::bigint[]) ORDER BY seq"
             ),
-            paused: format!("SELECT now() AS now, ARRAY(SELECT destination FROM {pd}) AS paused"),
+            // With the WAL's flush position, for `Claimed::flushed`.
+            paused: format!(
+                "SELECT now() AS now, ARRAY(SELECT destination FROM {pd}) AS paused, \
+                        {WAL_FLUSHED} AS wal_flushed, \
+                        current_setting('synchronous_standby_names') = '' AS no_sync_standby"
+            ),
             hold: keep_behind(
                 &t,
                 &format!(
