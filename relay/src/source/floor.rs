@@ -18,7 +18,8 @@
 //!    its seq by an INSERT (or COPY) that already held a `RowExclusiveLock`
 //!    on the table, since a statement locks its target table before it
 //!    evaluates defaults. The sequence hands out values one at a time
-//!    (`CACHE 1`, checked at start-up; a cached sequence turns the floor off).
+//!    (`CACHE 1`, checked when the floor's session begins and again after
+//!    every read of `m`; a cached sequence turns the floor off).
 //! 2. Then list the transactions holding a `RowExclusiveLock` on the table:
 //!    every one that could still commit a row with seq ≤ m is among them.
 //!    Only that mode: a transaction holding a stronger one holds it too once
@@ -247,6 +248,8 @@ pub struct Tracker {
     passed: Vec<Passed>,
     rescan: Duration,
     last_full: Option<Instant>,
+    /// The sequence's cache size, once a step found it above 1.
+    cached: Option<i64>,
 }
 
 /// Why the floor cannot be used on this outbox.
@@ -272,7 +275,16 @@ impl Tracker {
             passed: Vec::new(),
             rescan,
             last_full: None,
+            cached: None,
         }
+    }
+
+    /// The sequence's cache size, if a step found that it hands out values
+    /// in blocks: the floor is then unsafe and must go to 0. A tracker that
+    /// found it moves the floor no more; [`Tracker::prepare`] on a new one
+    /// says whether the sequence has been put back to `CACHE 1`.
+    pub fn cached(&self) -> Option<i64> {
+        self.cached
     }
 
     /// Whether the next floor computed must start from seq 0.
@@ -320,23 +332,53 @@ impl Tracker {
         client: &Client,
         current: i64,
     ) -> Result<Option<i64>, tokio_postgres::Error> {
+        if self.cached.is_some() {
+            return Ok(None);
+        }
         let moved = self.confirm(client, current).await?;
         if self.candidate.is_none() {
             if let Some(prepared) = &self.prepared {
                 // Order matters: the last value first, then the writers.
+                //
+                // The cache size is read again by a statement of its own,
+                // sent with the writers' list, after the last value: a
+                // sequence altered to cache values (`ALTER ... SET CACHE`)
+                // while the relay runs hands out a block only once the
+                // change has committed (the ALTER locks out `nextval` until
+                // it does), so if `m` counts a block, the second statement's
+                // snapshot, taken after `m` was read, sees the new size.
+                // Checked only when the floor's session began, the cache let
+                // every session's later rows from its block land below the
+                // floor, to wait for the rescan
+                // (`stalls::floor::a_sequence_cached_while_the_relay_runs_turns_the_floor_off`).
                 let listed = async {
                     let row = client.query_one(&prepared.sequence, &[]).await?;
                     let upto: i64 = row.get(1);
-                    let writers = writers_now(client, prepared).await?.vxids;
-                    Ok::<_, tokio_postgres::Error>(Candidate {
-                        upto,
-                        writers,
-                        listed: Instant::now(),
-                    })
+                    let (again, writers) = futures::try_join!(
+                        client.query_one(&prepared.sequence, &[]),
+                        writers_now(client, prepared)
+                    )?;
+                    let cache = [row.get::<_, i64>(0), again.get(0)]
+                        .into_iter()
+                        .find(|&c| c != 1);
+                    Ok::<_, tokio_postgres::Error>((
+                        cache,
+                        Candidate {
+                            upto,
+                            writers: writers.vxids,
+                            listed: Instant::now(),
+                        },
+                    ))
                 }
                 .await;
                 match listed {
-                    Ok(candidate) => self.candidate = Some(candidate),
+                    Ok((Some(cache), _)) => {
+                        self.cached = Some(cache);
+                        self.candidate = None;
+                        self.passed.clear();
+                        return Ok(None);
+                    }
+                    Ok((None, candidate)) => self.candidate = Some(candidate),
                     // A floor that came back for a passed writer's rows
                     // (whose bases are forgotten by now) must be published
                     // first; the next step lists again.
@@ -545,62 +587,99 @@ pub async fn run(
     reconnect_max: Duration,
     shutdown: CancellationToken,
 ) {
+    // Whether the floor is off for a cached sequence, so that it is said
+    // once each time it turns off or on, not at every check.
+    let off = std::sync::atomic::AtomicBool::new(false);
     let session = || async {
         let client = super::connect(&pg, Duration::from_secs(60)).await?;
         let mut tracker = Tracker::new(&schema, rescan);
-        let Ok(prepared) = tokio::time::timeout(BOUND, tracker.prepare(&client)).await else {
-            return Err(super::PgFault::Unanswered(BOUND));
-        };
-        match prepared {
-            Ok(()) => {}
-            // Anything but a missing grant (a lost connection, a server
-            // shutting down) is tried again on a new session.
-            Err(Unusable::Sequence(e))
-                if e.code() != Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
-            {
-                return Err(e.into())
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "claim floor off: claims scan fresh rows from the start of the index");
-                shutdown.cancelled().await;
-                return Ok(());
-            }
-        }
-        let mut seen = u64::MAX;
-        loop {
-            // Claims that took rows start a new list of writers; once they
-            // stop, the list pending is still confirmed, so the floor
-            // catches up with the last rows claimed, and then the tracker
-            // rests until claims resume or a rescan is due (or a writer
-            // the floor moved past ends).
-            let claims = floor.claims.load(Ordering::Relaxed);
-            let moved = if claims != seen || tracker.rescan_due() {
-                seen = claims;
-                client
-                    .answered(BOUND, tracker.step(&client, floor.get()))
-                    .await
-            } else if tracker.pending() {
-                client
-                    .answered(BOUND, tracker.confirm(&client, floor.get()))
-                    .await
-            } else {
-                Ok(None)
-            };
-            match moved {
-                Ok(Some(seq)) => floor.set(tracker.at(seq)),
-                Ok(None) => {}
-                // The floor in use stays valid without a session, unless
-                // it moved past writers still running: the next session
-                // would not know to come back for their rows.
-                Err(e) => {
-                    if let Some(base) = tracker.passed_base() {
-                        floor.set(floor.get().min(base).into());
+        'tracking: loop {
+            loop {
+                let Ok(prepared) = tokio::time::timeout(BOUND, tracker.prepare(&client)).await
+                else {
+                    return Err(super::PgFault::Unanswered(BOUND));
+                };
+                match prepared {
+                    Ok(()) => break,
+                    // Anything but a missing grant (a lost connection, a server
+                    // shutting down) is tried again on a new session.
+                    Err(Unusable::Sequence(e))
+                        if e.code()
+                            != Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
+                    {
+                        return Err(e.into())
                     }
-                    return Err(e);
+                    // It may be put back to `CACHE 1`: asked again every rescan
+                    // interval.
+                    Err(e @ Unusable::CachedSequence(_)) => {
+                        floor.set(0.into());
+                        if !off.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(error = %e, "claim floor off: claims scan fresh rows from the start of the index");
+                        }
+                        if sleep_or_cancel(rescan, &shutdown).await {
+                            return Ok(());
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claim floor off: claims scan fresh rows from the start of the index");
+                        shutdown.cancelled().await;
+                        return Ok(());
+                    }
                 }
             }
-            if sleep_or_cancel(TICK, &shutdown).await {
-                return Ok(());
+            if off.swap(false, Ordering::Relaxed) {
+                tracing::info!(
+                    "claim floor on: the seq sequence hands out values one at a time again"
+                );
+            }
+            let mut seen = u64::MAX;
+            loop {
+                // Claims that took rows start a new list of writers; once they
+                // stop, the list pending is still confirmed, so the floor
+                // catches up with the last rows claimed, and then the tracker
+                // rests until claims resume or a rescan is due (or a writer
+                // the floor moved past ends).
+                let claims = floor.claims.load(Ordering::Relaxed);
+                let moved = if claims != seen || tracker.rescan_due() {
+                    seen = claims;
+                    client
+                        .answered(BOUND, tracker.step(&client, floor.get()))
+                        .await
+                } else if tracker.pending() {
+                    client
+                        .answered(BOUND, tracker.confirm(&client, floor.get()))
+                        .await
+                } else {
+                    Ok(None)
+                };
+                if let Some(cache) = tracker.cached() {
+                    floor.set(0.into());
+                    if !off.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %Unusable::CachedSequence(cache),
+                            "claim floor off: claims scan fresh rows from the start of the index"
+                        );
+                    }
+                    // A new tracker asks, every rescan interval, until it is put back.
+                    tracker = Tracker::new(&schema, rescan);
+                    continue 'tracking;
+                }
+                match moved {
+                    Ok(Some(seq)) => floor.set(tracker.at(seq)),
+                    Ok(None) => {}
+                    // The floor in use stays valid without a session, unless
+                    // it moved past writers still running: the next session
+                    // would not know to come back for their rows.
+                    Err(e) => {
+                        if let Some(base) = tracker.passed_base() {
+                            floor.set(floor.get().min(base).into());
+                        }
+                        return Err(e);
+                    }
+                }
+                if sleep_or_cancel(TICK, &shutdown).await {
+                    return Ok(());
+                }
             }
         }
     };

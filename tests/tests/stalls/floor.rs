@@ -867,6 +867,117 @@ async fn the_floor_refuses_a_cached_sequence() {
     db.cleanup().await;
 }
 
+/// A sequence made to cache values while the relay runs (`ALTER ... SET
+/// CACHE`, a common tuning for tables that take many inserts): each writer
+/// session then takes a block of seqs and uses it over its next inserts,
+/// while other sessions' blocks lie above it, so the floor passes the rest
+/// of a block as soon as the session that holds it is between
+/// transactions. Its next rows land below the floor. The cache was checked
+/// only when the floor's session began: with no rescan, such a row stayed
+/// in the outbox. The floor now reads the cache at every step and turns
+/// itself off once it is not 1.
+#[tokio::test]
+async fn a_sequence_cached_while_the_relay_runs_turns_the_floor_off() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let relay = without_rescan(&db);
+    move_floor_past(&db, &relay, 10).await;
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE {} ALTER COLUMN seq SET CACHE 20",
+            db.table()
+        ))
+        .await
+        .expect("cache the sequence");
+    // Two writer sessions, each taking a block of 20 with its first row.
+    let (a, b) = (connect(&db.config).await, connect(&db.config).await);
+    let outbox = db.outbox();
+    let first = outbox
+        .enqueue(&a, &message("x", "a", "a-1".into()))
+        .await
+        .expect("enqueue on a");
+    let second = outbox
+        .enqueue(&b, &message("x", "b", "b-1".into()))
+        .await
+        .expect("enqueue on b");
+    let top = max_seq(&db).await;
+    // Both delivered, and the floor either past b's block or off.
+    assert!(
+        eventually(PATIENCE, || async {
+            went_out(&relay, first.as_uuid())
+                && went_out(&relay, second.as_uuid())
+                && (relay.floor.get() == 0 || relay.floor.get() > top)
+        })
+        .await,
+        "the first rows were not delivered, or the floor stayed at {}",
+        relay.floor.get()
+    );
+    // a's next row takes the next value of its block, below b's.
+    let late = outbox
+        .enqueue(&a, &message("x", "a", "a-2".into()))
+        .await
+        .expect("enqueue on a again");
+    let seq: i64 = db
+        .client
+        .query_one(
+            &format!("SELECT seq FROM {} WHERE message_id = $1", db.table()),
+            &[&late.as_uuid()],
+        )
+        .await
+        .expect("its seq")
+        .get(0);
+    assert!(
+        seq < top,
+        "a's second row took {seq}, not a value of its block below {top}"
+    );
+    assert!(
+        eventually(PATIENCE, || async { went_out(&relay, late.as_uuid()) }).await,
+        "a row at seq {seq}, from a session's cached block, was never found (floor at {})",
+        relay.floor.get()
+    );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
+/// Put back to `CACHE 1` (which makes every session drop the values it
+/// had cached: checked in psql, a session's next value after the change
+/// came from the sequence, not from its block), the sequence lets the
+/// floor back on, asked again at the next rescan.
+#[tokio::test]
+async fn a_sequence_put_back_to_cache_1_turns_the_floor_back_on() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let settings = outbox_relay::Settings {
+        claim_floor_rescan: Some(Duration::from_secs(1)),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    move_floor_past(&db, &relay, 10).await;
+    let cache = |n: i64| {
+        let (client, sql) = (
+            &db.client,
+            format!("ALTER TABLE {} ALTER COLUMN seq SET CACHE {n}", db.table()),
+        );
+        async move { client.batch_execute(&sql).await.expect("alter the cache") }
+    };
+    cache(20).await;
+    let outbox = db.outbox();
+    outbox
+        .enqueue(&db.client, &message("x", "k", "cached".into()))
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { relay.floor.get() == 0 }).await,
+        "the floor stayed at {} with the sequence caching 20",
+        relay.floor.get()
+    );
+    cache(1).await;
+    // Fails unless the floor moves past the rows written from now on.
+    move_floor_past(&db, &relay, 10).await;
+    relay.stop().await;
+    db.cleanup().await;
+}
+
 /// A prepared transaction (two-phase commit: `PREPARE TRANSACTION`, as a
 /// transaction manager or an XA-speaking app does) holds its outbox rows
 /// uncommitted with no session behind it, for as long as its coordinator
