@@ -38,6 +38,21 @@ pub async fn pinned_snapshot(config: &Config) -> Client {
     pin
 }
 
+/// Runs deploy/roles.sql, as an operator would with `psql`, against the
+/// server at `url` for the outbox in `schema`: it creates (or updates) the
+/// roles `outbox_app` and `outbox_relay` and their grants.
+pub async fn apply_roles_sql(url: &str, schema: &SchemaName) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/roles.sql");
+    let status = tokio::process::Command::new("psql")
+        .args(["-q", "-X", url, "-v"])
+        .arg(format!("schema={schema}"))
+        .args(["-f", script])
+        .status()
+        .await
+        .expect("psql");
+    assert!(status.success(), "roles.sql failed");
+}
+
 /// DDL for [`TestDb::create_decoy`]: an `=` for text in the decoy schema
 /// that never finds two values equal, for a caller's path to find before
 /// pg_catalog's.

@@ -13,21 +13,7 @@ async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/roles.sql");
-    let status = tokio::process::Command::new("psql")
-        .args([
-            "-q",
-            "-X",
-            &outbox_tests::pg_url(),
-            "-v",
-            &format!("schema={}", db.schema),
-            "-f",
-            script,
-        ])
-        .status()
-        .await
-        .expect("psql");
-    assert!(status.success(), "roles.sql failed");
+    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
     // Login roles of the test's own, members of the script's roles.
     let (app, relay_user) = (outbox_tests::unique("app"), outbox_tests::unique("relay"));
     db.client

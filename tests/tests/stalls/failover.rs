@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_client::Message;
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_tests::cluster::PrivateCluster;
-use outbox_tests::db::{connect, TestDb};
+use outbox_tests::db::{apply_roles_sql, connect, TestDb};
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
@@ -71,12 +71,45 @@ async fn kept_orders(db: &TestDb, orders: &str) -> HashSet<uuid::Uuid> {
         .collect()
 }
 
-/// How many of the `published` events belong to no order in `kept`.
-fn phantoms(published: &[outbox_relay::publish::Envelope], kept: &HashSet<uuid::Uuid>) -> usize {
-    published
-        .iter()
-        .filter(|e| !kept.contains(&e.message_id))
-        .count()
+/// A migrated outbox with an orders table beside it, on the server at `url`
+/// (a private cluster's).
+async fn orders_db(url: &str) -> (TestDb, String) {
+    let db = TestDb::new_at(url.parse().expect("url")).await;
+    let orders = orders_table(&db).await;
+    (db, orders)
+}
+
+/// What the server kept after losing commits (a failover, a crash) must
+/// match what the relay published: once the relay has drained the server,
+/// no event published for an order it lost, and every order it kept
+/// published. `lost` says how the commits were lost.
+async fn published_match_kept_orders(
+    db: &TestDb,
+    orders: &str,
+    relay: &InProcessRelay,
+    lost: &str,
+) {
+    let kept = kept_orders(db, orders).await;
+    let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
+    let all = relay.publisher::<MemoryPublisher>().published();
+    let phantoms = all.iter().filter(|e| !kept.contains(&e.message_id)).count();
+    assert_eq!(
+        phantoms,
+        0,
+        "{phantoms} events published for orders {lost} took back ({} orders kept)",
+        kept.len()
+    );
+    assert!(
+        drained,
+        "the relay did not drain after {lost}: {} rows left",
+        db.pending().await
+    );
+    let out: HashSet<uuid::Uuid> = all.iter().map(|e| e.message_id).collect();
+    assert!(
+        kept.is_subset(&out),
+        "{} orders the server kept after {lost} were never published",
+        kept.difference(&out).count()
+    );
 }
 
 /// README's bound on what one crash or outage publishes twice: the batches
@@ -519,9 +552,7 @@ async fn events_of_commits_a_failover_loses_are_never_published() {
     let primary = PrivateCluster::start(&[("synchronous_standby_names", "*")])
         .expect("a private Postgres cluster");
     let mut standby = primary.start_standby(&[]).expect("a streaming standby");
-    let config: tokio_postgres::Config = primary.url().parse().expect("url");
-    let mut db = TestDb::new_at(config).await;
-    let orders = orders_table(&db).await;
+    let (mut db, orders) = orders_db(&primary.url()).await;
     let settings = outbox_relay::Settings {
         batch_size: 50,
         ..fast_settings()
@@ -564,24 +595,8 @@ async fn events_of_commits_a_failover_loses_are_never_published() {
         "the new primary has {} orders: the failover was meant to lose the local commits",
         kept.len()
     );
-    assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "the relay did not drain the new primary: {} rows left",
-        db.pending().await
-    );
-    let all = published();
-    let phantoms = phantoms(&all, &kept);
-    assert_eq!(
-        phantoms, 0,
-        "{phantoms} events published for orders the failover lost \
-         ({before_failover} published before it)"
-    );
-    let out: HashSet<uuid::Uuid> = all.iter().map(|e| e.message_id).collect();
-    assert!(
-        kept.is_subset(&out),
-        "{} orders the new primary kept were never published",
-        kept.difference(&out).count()
-    );
+    tracing::info!(before_failover, "events published before the failover");
+    published_match_kept_orders(&db, &orders, &relay, "the failover").await;
     relay.stop().await;
     drop(standby);
 }
@@ -607,9 +622,7 @@ async fn events_of_commits_a_crash_takes_back_are_never_published() {
     outbox_tests::init_logging();
     let cluster = PrivateCluster::start(&[("synchronous_commit", "off")])
         .expect("a private Postgres cluster");
-    let config: tokio_postgres::Config = cluster.url().parse().expect("url");
-    let mut db = TestDb::new_at(config).await;
-    let orders = orders_table(&db).await;
+    let (mut db, orders) = orders_db(&cluster.url()).await;
     let relay = InProcessRelay::with(&db, MemoryPublisher::new(), fast_settings());
     let published = || relay.publisher::<MemoryPublisher>().published();
 
@@ -654,38 +667,18 @@ async fn events_of_commits_a_crash_takes_back_are_never_published() {
         }
     }
     db.client = reconnected.expect("the server did not come back after the crash");
-    let kept = kept_orders(&db, &orders).await;
-    let all = published();
-    let phantoms = phantoms(&all, &kept);
     assert!(
         published_all,
         "{} of 300 published before the crash",
-        all.len()
+        published().len()
     );
-    assert_eq!(
-        phantoms,
-        0,
-        "{phantoms} events published for orders the crash took back ({} orders kept)",
-        kept.len()
-    );
-    assert!(
-        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
-        "the relay did not drain after the crash: {} rows left",
-        db.pending().await
-    );
-    let out: HashSet<uuid::Uuid> = published().iter().map(|e| e.message_id).collect();
-    assert!(
-        kept.is_subset(&out),
-        "{} orders the server kept were never published",
-        kept.difference(&out).count()
-    );
+    published_match_kept_orders(&db, &orders, &relay, "the crash").await;
     relay.stop().await;
     drop(cluster);
 }
 
-/// A server that keeps no WAL of its own (Aurora's storage) refuses the
-/// WAL position functions the claim reads to skip the barrier, as does a
-/// server whose administrator revoked them. The relay must go on
+/// Aurora has been reported to refuse the WAL position functions the
+/// claim reads to skip the barrier, and an administrator may revoke them. The relay must go on
 /// delivering there, every batch waiting for the barrier: a claim that
 /// asked for them anyway would fail every time, and nothing would go out.
 /// Seen failing that way with the positions read whatever the server
@@ -696,15 +689,7 @@ async fn a_role_refused_the_wal_positions_still_delivers() {
     let cluster = PrivateCluster::start(&[]).expect("a private Postgres cluster");
     let config: tokio_postgres::Config = cluster.url().parse().expect("url");
     let db = TestDb::new_at(config).await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/roles.sql");
-    let status = tokio::process::Command::new("psql")
-        .args(["-q", "-X", &cluster.url(), "-v"])
-        .arg(format!("schema={}", db.schema))
-        .args(["-f", script])
-        .status()
-        .await
-        .expect("psql");
-    assert!(status.success(), "roles.sql failed");
+    apply_roles_sql(&cluster.url(), &db.schema).await;
     db.client
         .batch_execute(
             "CREATE ROLE walless LOGIN IN ROLE outbox_relay; \
