@@ -71,6 +71,9 @@ use crate::supervise::{sleep_or_cancel, supervise};
 /// How often the floor is moved while claims are running.
 pub const TICK: Duration = Duration::from_millis(100);
 
+/// While claims take nothing, the sequence is read every this many ticks.
+const IDLE_CHECK: u32 = 10;
+
 /// How long a step of the floor's session may go unanswered: its
 /// statement_timeout (30 s) twice over (see `super::answered`).
 const BOUND: Duration = Duration::from_secs(60);
@@ -378,6 +381,9 @@ impl Tracker {
                         self.passed.clear();
                         return Ok(None);
                     }
+                    Ok((None, candidate)) if candidate.upto < moved.unwrap_or(current) - 1 => {
+                        return Ok(Some(self.went_back()));
+                    }
                     Ok((None, candidate)) => self.candidate = Some(candidate),
                     // A floor that came back for a passed writer's rows
                     // (whose bases are forgotten by now) must be published
@@ -388,6 +394,44 @@ impl Tracker {
             }
         }
         Ok(moved)
+    }
+
+    /// Reads the sequence alone, as the floor's session does now and then
+    /// while claims take nothing: the floor to use
+    /// instead of `current` when the sequence is found behind it (see
+    /// [`Tracker::went_back`]), or when it caches values
+    /// ([`Tracker::cached`]: 0).
+    pub async fn check_sequence(
+        &mut self,
+        client: &Client,
+        current: i64,
+    ) -> Result<Option<i64>, tokio_postgres::Error> {
+        let Some(prepared) = &self.prepared else {
+            return Ok(None);
+        };
+        let row = client.query_one(&prepared.sequence, &[]).await?;
+        let (cache, last): (i64, i64) = (row.get(0), row.get(1));
+        if cache != 1 {
+            self.cached = Some(cache);
+            return Ok(Some(0));
+        }
+        Ok((last < current - 1).then(|| self.went_back()))
+    }
+
+    /// The sequence's last value lies below the floor: the sequence was
+    /// set back (`setval`, `TRUNCATE ... RESTART IDENTITY`), and it will
+    /// give seqs below the floor again. A floor never passes the last value
+    /// by more than one otherwise. The floor goes to 0, and the next
+    /// computation starts from seq 0. Without this, such rows waited for
+    /// the rescan. (A new session of the floor's, as after a failover to a
+    /// standby that had not received the last values given, already starts
+    /// from seq 0: its first computation is a rescan.)
+    fn went_back(&mut self) -> i64 {
+        tracing::info!("the seq sequence is behind the claim floor (set back, or another server); the floor starts again from 0");
+        self.candidate = None;
+        self.passed.clear();
+        self.last_full = None;
+        0
     }
 
     /// Whether a list of writers is waiting for its transactions to end,
@@ -633,6 +677,7 @@ pub async fn run(
                 );
             }
             let mut seen = u64::MAX;
+            let mut idle_ticks = 0u32;
             loop {
                 // Claims that took rows start a new list of writers; once they
                 // stop, the list pending is still confirmed, so the floor
@@ -650,7 +695,17 @@ pub async fn run(
                         .answered(BOUND, tracker.confirm(&client, floor.get()))
                         .await
                 } else {
-                    Ok(None)
+                    // Rows given seqs below the floor by a sequence set
+                    // back are never claimed, so no step would run: the
+                    // sequence is read about once a second while idle.
+                    idle_ticks += 1;
+                    if idle_ticks.is_multiple_of(IDLE_CHECK) {
+                        client
+                            .answered(BOUND, tracker.check_sequence(&client, floor.get()))
+                            .await
+                    } else {
+                        Ok(None)
+                    }
                 };
                 if let Some(cache) = tracker.cached() {
                     floor.set(0.into());

@@ -601,6 +601,104 @@ async fn events_of_commits_a_failover_loses_are_never_published() {
     drop(standby);
 }
 
+/// A failover to an asynchronous standby that had not received the last
+/// rows, and with them the sequence's last values: the new primary gives
+/// those seqs again, below the claim floor the relay computed on the old
+/// one, whose value outlives the lost session. A new session of the
+/// floor's computes it again from seq 0 (its first computation is a
+/// rescan, whatever `--claim-floor-rescan` says), so the floor comes down
+/// to the new primary's rows. This passed on the relay before the floor
+/// read the sequence while idle too; it guards the floor across a failover.
+#[tokio::test]
+async fn a_failover_to_a_standby_behind_the_floor_strands_no_new_rows() {
+    outbox_tests::init_logging();
+    let primary = PrivateCluster::start(&[]).expect("a private Postgres cluster");
+    let mut standby = primary.start_standby(&[]).expect("a streaming standby");
+    let db = TestDb::new_at(primary.url().parse().expect("url")).await;
+    let settings = outbox_relay::Settings {
+        claim_floor_rescan: Some(Duration::from_secs(3600)),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let published = || relay.publisher::<MemoryPublisher>().published();
+    let outbox = db.outbox();
+    // Streamed to the standby.
+    let client = connect(&db.config).await;
+    outbox
+        .enqueue_batch(&client, &messages(100, "streamed"))
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async {
+            client
+                .query_one(
+                    "SELECT coalesce(bool_and(replay_lsn >= pg_current_wal_lsn()), false) \
+                     FROM pg_stat_replication",
+                    &[],
+                )
+                .await
+                .expect("replication state")
+                .get(0)
+        })
+        .await,
+        "the standby did not catch up"
+    );
+    standby.stop().expect("stop the standby");
+    // Not streamed: published, and the floor moved past them.
+    outbox
+        .enqueue_batch(&client, &messages(300, "lost"))
+        .await
+        .expect("enqueue");
+    let top: i64 = client
+        .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
+        .await
+        .expect("max seq")
+        .get(0);
+    assert!(
+        eventually(PATIENCE, || async {
+            published().len() >= 400 && relay.floor.get() > top
+        })
+        .await,
+        "{} of 400 published, floor at {} below {top}",
+        published().len(),
+        relay.floor.get()
+    );
+    let floor = relay.floor.get();
+    drop(client);
+
+    standby
+        .take_over(primary)
+        .expect("fail over to the standby");
+    let client = connect(&db.config).await;
+    let ids = outbox
+        .enqueue_batch(&client, &messages(50, "after"))
+        .await
+        .expect("enqueue on the new primary");
+    let highest: i64 = client
+        .query_one(&format!("SELECT max(seq) FROM {}", db.table()), &[])
+        .await
+        .expect("max seq")
+        .get(0);
+    assert!(
+        highest < floor,
+        "the new primary gave seqs up to {highest}, not below the floor at {floor}"
+    );
+    let out = || {
+        let out: HashSet<uuid::Uuid> = published().iter().map(|e| e.message_id).collect();
+        ids.iter().filter(|id| out.contains(&id.as_uuid())).count()
+    };
+    assert!(
+        eventually(PATIENCE, || async { out() == ids.len() }).await,
+        "{} of the new primary's {} rows (seqs up to {highest}, below the floor at {floor}) \
+         published; floor now {}",
+        out(),
+        ids.len(),
+        relay.floor.get()
+    );
+    relay.stop().await;
+    drop(standby);
+}
+
 /// Commits made with `synchronous_commit = off` are visible before their
 /// WAL is written out, and a crash of the server takes them back. A claim
 /// may skip the durability barrier only when it showed, by its own

@@ -978,6 +978,53 @@ async fn a_sequence_put_back_to_cache_1_turns_the_floor_back_on() {
     db.cleanup().await;
 }
 
+/// An outbox emptied with `TRUNCATE ... RESTART IDENTITY` (a test
+/// environment reset, say) while the relay runs: the sequence starts again
+/// at 1, far below the floor, and every new row lands below it. No claim
+/// takes a row, so no step of the floor's would run; with no rescan they
+/// stayed in the outbox. The floor's session now reads the sequence about
+/// once a second while claims take nothing, and starts from 0 once the
+/// sequence is behind it.
+#[tokio::test]
+async fn a_sequence_restarted_while_the_relay_idles_does_not_strand_new_rows() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let relay = without_rescan(&db);
+    let floor = move_floor_past(&db, &relay, 100).await;
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the first rows did not drain"
+    );
+    db.client
+        .batch_execute(&format!("TRUNCATE {} RESTART IDENTITY", db.table()))
+        .await
+        .expect("truncate");
+    let rows: Vec<Message> = (0..5)
+        .map(|i| message("x", "k", format!("after-{i}")))
+        .collect();
+    let ids = db
+        .outbox()
+        .enqueue_batch(&db.client, &rows)
+        .await
+        .expect("enqueue");
+    let top = max_seq(&db).await;
+    assert!(
+        top < floor,
+        "the new rows went to {top}, not below the floor at {floor}"
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            ids.iter().all(|id| went_out(&relay, id.as_uuid()))
+        })
+        .await,
+        "rows at seqs 1-{top}, after the sequence restarted below the floor at {floor}, \
+         were never found (floor now {})",
+        relay.floor.get()
+    );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
 /// A prepared transaction (two-phase commit: `PREPARE TRANSACTION`, as a
 /// transaction manager or an XA-speaking app does) holds its outbox rows
 /// uncommitted with no session behind it, for as long as its coordinator
