@@ -50,6 +50,13 @@
 //! also pins the horizon) made every claim walk the rows deleted since it
 //! began, for as long as it ran.
 //!
+//! A floor never passes `m` by more than one, so a last value read below
+//! the floor means the sequence was set back (`setval`, `TRUNCATE ...
+//! RESTART IDENTITY`): it will give seqs below the floor, and the floor
+//! starts again from 0. The sequence is read for that with every step,
+//! and about once a second while claims take nothing, since rows below
+//! the floor are never claimed and no step would run.
+//!
 //! Rows re-enter the outbox below the floor only through the relay's own
 //! operations (retrying a dead letter, resuming a destination, releasing rows
 //! set aside), and those put them on the due path, which the floor does not
@@ -427,7 +434,9 @@ impl Tracker {
     /// standby that had not received the last values given, already starts
     /// from seq 0: its first computation is a rescan.)
     fn went_back(&mut self) -> i64 {
-        tracing::info!("the seq sequence is behind the claim floor (set back, or another server); the floor starts again from 0");
+        tracing::info!(
+            "the seq sequence was set back below the claim floor; the floor starts again from 0"
+        );
         self.candidate = None;
         self.passed.clear();
         self.last_full = None;
