@@ -53,6 +53,21 @@ pub async fn apply_roles_sql(url: &str, schema: &SchemaName) {
     assert!(status.success(), "roles.sql failed");
 }
 
+/// The last seq the sequence of `table` (quoted, as [`TestDb::table`]
+/// gives it) has given, asked on `client`: what a test means by "the seqs
+/// written so far" even once the rows are drained.
+pub async fn last_seq(client: &Client, table: &str) -> i64 {
+    let table = table.replace('\'', "''");
+    client
+        .query_one(
+            &format!("SELECT pg_sequence_last_value(pg_get_serial_sequence('{table}', 'seq'))"),
+            &[],
+        )
+        .await
+        .expect("the sequence's last value")
+        .get(0)
+}
+
 /// DDL for [`TestDb::create_decoy`]: an `=` for text in the decoy schema
 /// that never finds two values equal, for a caller's path to find before
 /// pg_catalog's.

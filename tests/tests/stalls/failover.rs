@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_client::Message;
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_tests::cluster::PrivateCluster;
-use outbox_tests::db::{apply_roles_sql, connect, TestDb};
+use outbox_tests::db::{apply_roles_sql, connect, last_seq, TestDb};
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Spec};
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
@@ -110,19 +110,6 @@ async fn published_match_kept_orders(
         "{} orders the server kept after {lost} were never published",
         kept.difference(&out).count()
     );
-}
-
-/// The last seq the sequence gave (the rows may be gone already).
-async fn last_given(client: &tokio_postgres::Client, db: &TestDb) -> i64 {
-    let table = db.table().replace('\'', "''");
-    client
-        .query_one(
-            &format!("SELECT pg_sequence_last_value(pg_get_serial_sequence('{table}', 'seq'))"),
-            &[],
-        )
-        .await
-        .expect("the sequence's last value")
-        .get(0)
 }
 
 /// README's bound on what one crash or outage publishes twice: the batches
@@ -662,7 +649,7 @@ async fn a_failover_to_a_standby_behind_the_floor_strands_no_new_rows() {
         .enqueue_batch(&client, &messages(300, "lost"))
         .await
         .expect("enqueue");
-    let top = last_given(&client, &db).await;
+    let top = last_seq(&client, &db.table()).await;
     assert!(
         eventually(PATIENCE, || async {
             published().len() >= 400 && relay.floor.get() > top
@@ -683,7 +670,7 @@ async fn a_failover_to_a_standby_behind_the_floor_strands_no_new_rows() {
         .enqueue_batch(&client, &messages(50, "after"))
         .await
         .expect("enqueue on the new primary");
-    let highest = last_given(&client, &db).await;
+    let highest = last_seq(&client, &db.table()).await;
     assert!(
         highest < floor,
         "the new primary gave seqs up to {highest}, not below the floor at {floor}"

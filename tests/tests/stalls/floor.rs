@@ -11,7 +11,7 @@ use outbox_client::Message;
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::source::floor::{FloorAt, Tracker, PASS_AFTER};
 use outbox_tests::claim::{run_claim, ClaimSession};
-use outbox_tests::db::{connect, pinned_snapshot, TestDb};
+use outbox_tests::db::{connect, last_seq, pinned_snapshot, TestDb};
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
 use rand::{Rng, SeedableRng};
 
@@ -636,8 +636,14 @@ fn went_out(relay: &InProcessRelay, id: uuid::Uuid) -> bool {
 /// A relay on the in-memory broker that never rescans from seq 0: a row
 /// the floor passed by mistake would stay behind it.
 fn without_rescan(db: &TestDb) -> InProcessRelay {
+    with_rescan(db, NO_RESCAN)
+}
+
+/// A relay on the in-memory broker whose floor is recomputed from seq 0
+/// every `rescan`.
+fn with_rescan(db: &TestDb, rescan: Duration) -> InProcessRelay {
     let settings = outbox_relay::Settings {
-        claim_floor_rescan: Some(NO_RESCAN),
+        claim_floor_rescan: Some(rescan),
         ..fast_settings()
     };
     InProcessRelay::with(db, MemoryPublisher::new(), settings)
@@ -820,11 +826,7 @@ async fn a_key_waiting_below_the_floor_still_holds_back_its_new_rows() {
 async fn a_row_put_below_the_floor_by_hand_is_found_by_the_rescan() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let settings = outbox_relay::Settings {
-        claim_floor_rescan: Some(Duration::from_secs(1)),
-        ..fast_settings()
-    };
-    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let relay = with_rescan(&db, Duration::from_secs(1));
     let floor = move_floor_past(&db, &relay, 2_000).await;
     let id = uuid::Uuid::now_v7();
     db.client
@@ -947,11 +949,7 @@ async fn a_sequence_cached_while_the_relay_runs_turns_the_floor_off() {
 async fn a_sequence_put_back_to_cache_1_turns_the_floor_back_on() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
-    let settings = outbox_relay::Settings {
-        claim_floor_rescan: Some(Duration::from_secs(1)),
-        ..fast_settings()
-    };
-    let relay = InProcessRelay::with(&db, MemoryPublisher::new(), settings);
+    let relay = with_rescan(&db, Duration::from_secs(1));
     move_floor_past(&db, &relay, 10).await;
     let cache = |n: i64| {
         let (client, sql) = (
@@ -1007,18 +1005,7 @@ async fn a_sequence_restarted_while_the_relay_idles_does_not_strand_new_rows() {
         .enqueue_batch(&db.client, &rows)
         .await
         .expect("enqueue");
-    let top: i64 = db
-        .client
-        .query_one(
-            &format!(
-                "SELECT pg_sequence_last_value(pg_get_serial_sequence('{}', 'seq'))",
-                db.table().replace('\'', "''")
-            ),
-            &[],
-        )
-        .await
-        .expect("the sequence's last value")
-        .get(0);
+    let top = last_seq(&db.client, &db.table()).await;
     assert!(
         top < floor,
         "the new rows went to {top}, not below the floor at {floor}"
