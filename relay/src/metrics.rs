@@ -21,6 +21,12 @@ pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
 pub const PUBLISH: &str = "outbox_publish_seconds";
 /// Seconds one claim statement took, whether it found rows or not.
 pub const CLAIM: &str = "outbox_claim_seconds";
+/// Seconds one claim kept the next one waiting: from its start until its
+/// rows were locked (see `source::claim`).
+pub const CLAIM_LOCKING: &str = "outbox_claim_locking_seconds";
+/// Seconds one published batch's settle took: its rows' updates and the
+/// commit, in one round trip.
+pub const SETTLE: &str = "outbox_settle_seconds";
 /// Seconds a claimed batch waited for its rows' commits to become durable
 /// before its publish (see `source::durable`).
 pub const DURABLE_WAIT: &str = "outbox_durable_wait_seconds";
@@ -62,6 +68,8 @@ pub const ALL: &[&str] = &[
     COMMIT_TO_CONFIRM,
     PUBLISH,
     CLAIM,
+    CLAIM_LOCKING,
+    SETTLE,
     DURABLE_WAIT,
     BACKLOG,
     OLDEST_PENDING,
@@ -90,6 +98,8 @@ const HELP: &[(&str, &str)] = &[
     (COMMIT_TO_CONFIRM, "Seconds from a row's created_at (the start of the transaction that wrote it) to the broker's confirm."),
     (PUBLISH, "Seconds one batch spent waiting for the broker's answers."),
     (CLAIM, "Seconds one claim statement took in Postgres, round trip included, whether it found rows or not; claims are taken one at a time per replica."),
+    (CLAIM_LOCKING, "Seconds from a claim's start until its rows were locked, the part of it the next claim of the replica waits for; near the drain's whole time, claims follow one another."),
+    (SETTLE, "Seconds one published batch's settle took in Postgres: deleting (or moving) its confirmed rows, recording refusals, and the commit, in one round trip."),
     (DURABLE_WAIT, "Seconds a claimed batch waited, before its publish, for its rows' commits to be flushed and on the synchronous standbys; a batch that waited half the hold limit went back unpublished."),
     (BACKLOG, "Messages waiting in the outbox, by destination (database-wide, from one replica)."),
     (OLDEST_PENDING, "Age in seconds of the oldest waiting message, by destination (database-wide, from one replica)."),

@@ -393,7 +393,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // their verdicts are still being decided.
         let claimed = tx
             .claim(&limits, &partitions, self.floor.at(), move || {
-                drop(claiming)
+                drop(claiming);
+                metrics::histogram!(crate::metrics::CLAIM_LOCKING)
+                    .record(claimed_at.elapsed().as_secs_f64());
             })
             .await?;
         // Every commit the claim could see had been made by now.
@@ -646,6 +648,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         } else {
             std::borrow::Cow::Owned([plan.dead.as_slice(), &too_large].concat())
         };
+        let settling = Instant::now();
         tx.settle_and_commit(Settle {
             published: &plan.published,
             failed: &plan.failed,
@@ -653,6 +656,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
             dead: &dead,
         })
         .await?;
+        metrics::histogram!(crate::metrics::SETTLE).record(settling.elapsed().as_secs_f64());
         self.dead_lettered_unread(&claimed.too_large, &too_large);
         self.stats
             .count(Event::DeadLettered, plan.dead.len() as u64);

@@ -261,12 +261,14 @@ async fn drain_with(
 
 /// From a relay's metrics: its claims' count and total seconds, then its
 /// batches' count and total seconds at the broker.
-fn batch_timings(metrics: &str) -> [f64; 4] {
+fn batch_timings(metrics: &str) -> [f64; 6] {
     [
         "outbox_claim_seconds_count",
         "outbox_claim_seconds_sum",
         "outbox_publish_seconds_count",
         "outbox_publish_seconds_sum",
+        "outbox_claim_locking_seconds_sum",
+        "outbox_settle_seconds_sum",
     ]
     .map(|name| outbox_tests::http::sample(metrics, name).unwrap_or(0.0))
 }
@@ -344,13 +346,20 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
     let drain_cpu = watch.stop().await;
     if let Some(handle) = recorder {
         let m = handle.render();
-        let [claims, claim_s, batches, publish_s] = batch_timings(&m);
+        let [claims, claim_s, batches, publish_s, locking_s, settle_s] = batch_timings(&m);
         let secs = args.messages as f64 / drain;
+        let ms_each = |sum: f64, n: f64| sum / n.max(1.0) * 1000.0;
         eprintln!(
-            "  {claims:.0} claims of {:.2} ms ({:.0} % of the drain); {batches:.0} batches at the broker for {:.2} ms",
-            claim_s / claims.max(1.0) * 1000.0,
+            "  {claims:.0} claims of {:.2} ms ({:.0} % of the drain), {:.2} ms of each until its rows were locked ({:.0} %); \
+             {batches:.0} batches at the broker for {:.2} ms ({:.0} %), then settled in {:.2} ms ({:.0} %)",
+            ms_each(claim_s, claims),
             claim_s / secs * 100.0,
-            publish_s / batches.max(1.0) * 1000.0,
+            ms_each(locking_s, claims),
+            locking_s / secs * 100.0,
+            ms_each(publish_s, batches),
+            publish_s / secs * 100.0,
+            ms_each(settle_s, batches),
+            settle_s / secs * 100.0,
         );
     }
     println!("{:<44} {:>10} {:>8}", "kafka (tansu)", "msgs/s", "vs raw");
@@ -793,7 +802,7 @@ where
     // have different causes.
     let trace = std::env::var_os("OUTBOX_BENCH_TRACE").is_some();
     let (mut tenth, mut tenth_at, mut tenth_done) = (1usize, Instant::now(), 0i64);
-    let mut tenth_timings = [0.0; 4];
+    let mut tenth_timings = [0.0; 6];
     let mut first_published: Option<(Instant, i64)> = None;
     loop {
         let mut metrics = String::new();
