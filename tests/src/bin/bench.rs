@@ -259,8 +259,9 @@ async fn drain_with(
     r
 }
 
-/// From a relay's metrics: its claims' count and total seconds, then its
-/// batches' count and total seconds at the broker.
+/// From a relay's metrics: its claims' count and total seconds, its
+/// batches' count and total seconds at the broker, then the claims' total
+/// seconds until their rows were locked and the settles' total seconds.
 fn batch_timings(metrics: &str) -> [f64; 6] {
     [
         "outbox_claim_seconds_count",
