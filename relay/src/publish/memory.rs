@@ -16,6 +16,9 @@ struct State {
     reject_destinations: HashMap<String, Rejection>,
     down: bool,
     batches: usize,
+    /// Accepted envelopes are counted, not kept (see [`MemoryPublisher::counting`]).
+    discard: bool,
+    accepted: usize,
 }
 
 /// Records every accepted envelope; can reject chosen ids or be "down".
@@ -28,6 +31,20 @@ impl MemoryPublisher {
     /// A publisher that accepts everything.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A publisher that accepts everything and keeps only the count: a
+    /// broker that answers at once, for measuring the relay's drain without
+    /// one, its memory not growing with the messages.
+    pub fn counting() -> Self {
+        let publisher = Self::default();
+        publisher.state().discard = true;
+        publisher
+    }
+
+    /// How many envelopes were accepted.
+    pub fn accepted(&self) -> usize {
+        self.state().accepted
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -83,7 +100,10 @@ impl Publisher for MemoryPublisher {
             } else if let Some(r) = state.reject_destinations.get(&env.destination) {
                 outcomes.push(Err(r.clone()));
             } else {
-                state.published.push(env.clone());
+                state.accepted += 1;
+                if !state.discard {
+                    state.published.push(env.clone());
+                }
                 outcomes.push(Ok(Receipt::Memory));
             }
         }
