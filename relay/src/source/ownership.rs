@@ -22,7 +22,8 @@ use std::time::Duration;
 use outbox_client::SchemaName;
 use rand::seq::SliceRandom;
 use tokio::sync::watch;
-use tokio_postgres::Client;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Statement};
 
 use super::{answered, Database, PgFault};
 
@@ -160,8 +161,8 @@ async fn own(
     report.set_owner_up(true);
     let replicas = format!("{}.replicas", schema.quoted());
     let owners = format!("{}.partition_owners", schema.quoted());
-    let beat_statement = client
-        .answered(bound, beat_statement(&client, &replicas))
+    let statements = client
+        .answered(bound, BeatStatements::prepare(&client, &replicas, &keys))
         .await?;
 
     let tick = settings.lease / 5;
@@ -181,15 +182,7 @@ async fn own(
                 .map(|_| ());
         }
         let beat = report.heartbeat();
-        let step = heartbeat(
-            &client,
-            &keys,
-            slot,
-            &beat_statement,
-            &owners,
-            beat,
-            &mut mine,
-        );
+        let step = heartbeat(&client, &keys, slot, &statements, &owners, beat, &mut mine);
         // A heartbeat's commit may wait for a missing synchronous standby
         // for as long as it stays away; shutdown does not wait with it.
         let stepped = tokio::select! {
@@ -267,6 +260,49 @@ async fn register(
     Ok((keys, slot))
 }
 
+/// What every heartbeat runs, prepared once per session: each heartbeat
+/// sends the three together, in one round trip.
+struct BeatStatements {
+    /// Records the heartbeat's figures (see [`beat_statement`]).
+    update: Statement,
+    /// Every replica present, by slot.
+    present: Statement,
+    /// How many partitions any replica owns.
+    owned: Statement,
+}
+
+impl BeatStatements {
+    async fn prepare(
+        client: &Client,
+        replicas: &str,
+        keys: &LockKeys,
+    ) -> Result<Self, tokio_postgres::Error> {
+        let update = client
+            .prepare(&beat_statement(client, replicas).await?)
+            .await?;
+        // The lock keys are the schema's, fixed for the session: written
+        // into the text, they leave no parameter to type.
+        let present = client
+            .prepare(&format!(
+                "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{{}}') FROM pg_locks \
+                 WHERE {ADVISORY_HELD_HERE} AND classid::int8 = {}",
+                i64::from(keys.presence)
+            ))
+            .await?;
+        let owned = client
+            .prepare(&format!(
+                "SELECT count(*) FROM pg_locks WHERE {ADVISORY_HELD_HERE} AND classid::int8 = {}",
+                i64::from(keys.partitions)
+            ))
+            .await?;
+        Ok(BeatStatements {
+            update,
+            present,
+            owned,
+        })
+    }
+}
+
 /// The UPDATE that records a heartbeat's figures in `replicas`: with the
 /// silent partitions where the table has their column (V17), without on a
 /// schema a migration behind, as during a rolling deploy that has not
@@ -301,7 +337,7 @@ async fn heartbeat(
     client: &Client,
     keys: &LockKeys,
     slot: i32,
-    update: &str,
+    statements: &BeatStatements,
     owners: &str,
     beat: Heartbeat,
     mine: &mut Vec<i16>,
@@ -324,31 +360,25 @@ async fn heartbeat(
             })
             .collect(),
     );
-    client
-        .execute(
-            update,
-            &[
-                &slot,
-                &in_flight,
-                &published,
-                &down_since,
-                &down_error,
-                &silent,
-            ],
-        )
-        .await?;
-    // Everyone present, by slot; targets sum to exactly PARTITIONS, the
-    // lowest slots taking the remainder, so every replica agrees on them.
-    let slots: Vec<i32> = client
-        .query_one(
-            &format!(
-                "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{{}}') FROM pg_locks \
-                 WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
-            ),
-            &[&i64::from(keys.presence)],
-        )
-        .await?
-        .get(0);
+    // The figures, everyone present (by slot; targets sum to exactly
+    // PARTITIONS, the lowest slots taking the remainder, so every replica
+    // agrees on them) and the partitions owned, in one round trip: a
+    // heartbeat a second is most of what an idle relay sends.
+    let params: [&(dyn ToSql + Sync); 6] = [
+        &slot,
+        &in_flight,
+        &published,
+        &down_since,
+        &down_error,
+        &silent,
+    ];
+    let (_, present, owned) = futures::try_join!(
+        client.execute(&statements.update, &params),
+        client.query_one(&statements.present, &[]),
+        client.query_one(&statements.owned, &[]),
+    )?;
+    let slots: Vec<i32> = present.try_get(0)?;
+    let mut owned_by_anyone: i64 = owned.try_get(0)?;
     let present = slots.len().max(1);
     let rank = slots.iter().position(|s| *s == slot).unwrap_or(0);
     let share = PARTITIONS as usize / present + usize::from(rank < PARTITIONS as usize % present);
@@ -393,15 +423,10 @@ async fn heartbeat(
             .await?;
         mine.extend(taken.iter().map(|row| row.get::<_, i16>(0)));
     }
-    let owned_by_anyone: i64 = client
-        .query_one(
-            &format!(
-                "SELECT count(*) FROM pg_locks WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1"
-            ),
-            &[&i64::from(keys.partitions)],
-        )
-        .await?
-        .get(0);
+    if *mine != before {
+        // Counted before this heartbeat took or released any.
+        owned_by_anyone = client.query_one(&statements.owned, &[]).await?.try_get(0)?;
+    }
     metrics::gauge!(crate::metrics::PARTITIONS_UNOWNED)
         .set((i64::from(PARTITIONS) - owned_by_anyone) as f64);
     metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(mine.len() as f64);
