@@ -184,6 +184,30 @@ impl ClaimSession {
         Ok(())
     }
 
+    /// The relay's look at `partitions` from `floor`, beside batches that
+    /// hold `mine`, outside any transaction: whether its claim would find
+    /// anything.
+    pub async fn ready(
+        &self,
+        partitions: &[i16],
+        floor: i64,
+        mine: &[i64],
+    ) -> Result<bool, tokio_postgres::Error> {
+        self.queries
+            .ready(&self.client, &self.prepared, partitions, floor, mine)
+            .await
+    }
+
+    /// Runs `settings` (SQL) on the session.
+    pub async fn set(&self, settings: &str) -> anyhow::Result<()> {
+        Ok(self.client.batch_execute(settings).await?)
+    }
+
+    /// The session's connection.
+    pub fn client(&self) -> &tokio_postgres::Client {
+        &self.client
+    }
+
     /// Runs the relay's claim at `floor` in a transaction rolled back
     /// afterwards: each row it keeps as (seq, blocked), oldest first,
     /// blocked rows being those held back behind an older row of their key

@@ -158,6 +158,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // Whether the last batch failed at the broker and the broker has not
         // answered a question since.
         let mut broker_failing = false;
+        // Whether the last claim found nothing: the next poll looks before
+        // it claims (see `Session::ready`).
+        let mut look_first = false;
         while !shutdown.is_cancelled() {
             if broker_failing {
                 // Asked before claiming again: while the broker cannot be
@@ -176,7 +179,9 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     }
                 }
             }
-            match self.batch_until_grace(&mut db, shutdown).await {
+            let ended = self.batch_until_grace(&mut db, look_first, shutdown).await;
+            look_first = matches!(ended, Some(Ok(BatchEnd::Empty { behind: false })));
+            match ended {
                 Some(Ok(BatchEnd::Settled { more: true, .. })) => {
                     broker.reset();
                     idle.reset();
@@ -222,8 +227,11 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     self.pause(idle.next_delay(), shutdown).await;
                 }
                 Some(Ok(BatchEnd::Empty { behind: false })) => {
-                    self.poll_or_stand_by(&mut idle, false, None, shutdown)
+                    // Work handed over is there to claim: no need to look.
+                    let handed = self
+                        .poll_or_stand_by(&mut idle, false, None, shutdown)
                         .await;
+                    look_first = !handed;
                 }
                 Some(Err(BatchError::Publish(e))) => {
                     // Stats::note_batch logged the change of state.
@@ -271,22 +279,26 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     /// a trickle in batches that many times smaller, each with its own
     /// round trips. A worker that found rows while another polls ends that
     /// poller's pause, which may have grown while the outbox was empty. A
-    /// poller's pause ends after `gather` if sooner.
+    /// poller's pause ends after `gather` if sooner. Returns whether it
+    /// ended because work was handed over.
     async fn poll_or_stand_by(
         &mut self,
         idle: &mut Backoff,
         found: bool,
         gather: Option<Duration>,
         shutdown: &CancellationToken,
-    ) {
+    ) -> bool {
         match self.idle.poller.clone().try_lock_owned() {
             Ok(_polling) => {
                 let poll_now = Arc::clone(&self.idle.poll_now);
                 let pause = idle.next_delay();
                 let pause = gather.map_or(pause, |g| pause.min(g));
                 tokio::select! {
-                    _ = self.pause(pause, shutdown) => {}
-                    _ = poll_now.notified() => idle.reset(),
+                    handed = self.pause(pause, shutdown) => handed,
+                    _ = poll_now.notified() => {
+                        idle.reset();
+                        true
+                    }
                 }
             }
             Err(_) => {
@@ -300,13 +312,14 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     }
 
     /// Waits `pause`, or less when work is handed over, ownership changes or
-    /// the relay stops.
-    async fn pause(&mut self, pause: Duration, shutdown: &CancellationToken) {
+    /// the relay stops. Returns whether work was handed over (a full batch
+    /// elsewhere, a notification).
+    async fn pause(&mut self, pause: Duration, shutdown: &CancellationToken) -> bool {
         tokio::select! {
-            _ = shutdown.cancelled() => {}
-            _ = self.idle.work.notified() => {}
-            _ = self.owned.changed() => {}
-            _ = tokio::time::sleep(pause) => {}
+            _ = shutdown.cancelled() => false,
+            _ = self.idle.work.notified() => true,
+            _ = self.owned.changed() => false,
+            _ = tokio::time::sleep(pause) => false,
         }
     }
 
@@ -336,19 +349,26 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     async fn batch_until_grace(
         &self,
         db: &mut S::Session,
+        look_first: bool,
         shutdown: &CancellationToken,
     ) -> Option<Result<BatchEnd, BatchError>> {
         let grace = self.settings.shutdown_grace;
         tokio::select! {
             biased;
-            r = self.batch(db) => Some(r),
+            r = self.batch(db, look_first) => Some(r),
             _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => None,
         }
     }
 
-    async fn batch(&self, db: &mut S::Session) -> Result<BatchEnd, BatchError> {
+    /// One batch: claim, publish, settle. With `look_first` (the last
+    /// claim found nothing), asks first whether a claim would find
+    /// anything, and claims only if so.
+    async fn batch(&self, db: &mut S::Session, look_first: bool) -> Result<BatchEnd, BatchError> {
         let partitions = Arc::clone(&self.owned.borrow());
         if partitions.is_empty() {
+            return Ok(BatchEnd::Empty { behind: false });
+        }
+        if look_first && !db.ready(&partitions, &self.floor.at()).await? {
             return Ok(BatchEnd::Empty { behind: false });
         }
         let mut tx = db.begin().await?;

@@ -47,6 +47,8 @@ struct State {
     slow_claims: Vec<Duration>,
     /// When each claim ran, and how many rows it took.
     claims: Vec<(Instant, usize)>,
+    /// When each look (`Session::ready`) ran, and what it said.
+    looks: Vec<(Instant, bool)>,
     opens: usize,
 }
 
@@ -129,6 +131,11 @@ impl MemoryStore {
         self.state().claims.clone()
     }
 
+    /// When each look outside a transaction ran and what it said, in order.
+    pub(crate) fn looks(&self) -> Vec<(Instant, bool)> {
+        self.state().looks.clone()
+    }
+
     /// Sessions opened or tried.
     pub(crate) fn opens(&self) -> usize {
         self.state().opens
@@ -208,6 +215,20 @@ impl Session for MemorySession {
             aside: Vec::new(),
             dead: Vec::new(),
         })
+    }
+
+    async fn ready(&mut self, _partitions: &[i16], _floor: &FloorAt) -> Result<bool, StoreError> {
+        self.store
+            .statement(self.generation, Duration::ZERO)
+            .await?;
+        let mut s = self.store.state();
+        let now = Instant::now();
+        let ready = s
+            .rows
+            .values()
+            .any(|r| r.locked_by.is_none() && r.ready_at <= now);
+        s.looks.push((now, ready));
+        Ok(ready)
     }
 
     fn is_closed(&self) -> bool {

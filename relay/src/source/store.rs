@@ -41,6 +41,18 @@ pub(crate) trait Session: Send {
     /// Starts a batch's transaction.
     fn begin(&mut self) -> impl Future<Output = Result<Self::Tx<'_>, StoreError>> + Send + '_;
 
+    /// Whether a claim of `partitions` from `floor` would find anything,
+    /// asked without a transaction: asked in place of a claim after one
+    /// that found nothing, an idle poll costs one statement, not BEGIN, a
+    /// claim and a ROLLBACK. A yes may still be followed by an empty claim
+    /// (another replica holds the rows, or took them first); a no is as
+    /// good as an empty claim's.
+    fn ready<'a>(
+        &'a mut self,
+        partitions: &'a [i16],
+        floor: &'a FloorAt,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send + 'a;
+
     /// Whether the connection is gone (a failed statement then means the
     /// session must be reopened, not just the batch retried).
     fn is_closed(&self) -> bool;
@@ -320,6 +332,32 @@ impl Session for PgSession {
             held: &self.held,
             id: self.held.next.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    async fn ready(&mut self, partitions: &[i16], floor: &FloorAt) -> Result<bool, StoreError> {
+        // A transaction left open (its batch dropped) is rolled back first,
+        // in the same round trip, so that the look runs outside it.
+        let rollback_first = std::mem::take(&mut self.dangling);
+        let mine = self.held.oldest(HELD_PASSED_OVER);
+        let (client, queries, prepared) = (&self.client, &self.queries, &self.prepared);
+        let look = async {
+            let (rolled_back, ready) = futures::join!(
+                async {
+                    match rollback_first {
+                        true => client.batch_execute("ROLLBACK").await,
+                        false => Ok(()),
+                    }
+                },
+                queries.ready(client, prepared, partitions, floor.scan, &mine),
+            );
+            rolled_back?;
+            ready
+        };
+        let done = self.client.answered(self.bound, look).await;
+        if done.as_ref().is_err_and(PgFault::gave_up) {
+            self.unanswered = true;
+        }
+        Ok(done?)
     }
 
     fn is_closed(&self) -> bool {

@@ -1,15 +1,17 @@
-//! An idle relay polls an empty outbox; each poll is a transaction that
-//! claims nothing. The relay ends it without waiting for the server's answer,
-//! and it must still end at once: a transaction left open between polls keeps
-//! the locks of whatever rows its claim touched, shows to operators as a
-//! session idle in transaction, and is ended, with its session, by the hold
-//! limit.
+//! An idle relay polls an empty outbox. After a claim that found nothing,
+//! each poll is a look outside any transaction, and a claim follows only
+//! when the look sees a row. A claim that finds nothing after all is ended
+//! without waiting for the server's answer, and it must still end at once:
+//! a transaction left open between polls keeps the locks of whatever rows
+//! its claim touched, shows to operators as a session idle in transaction,
+//! and is ended, with its session, by the hold limit.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use outbox_client::Message;
 use outbox_tests::amqp::Fixture;
+use outbox_tests::claim::ClaimSession;
 use outbox_tests::db::TestDb;
 use outbox_tests::{fast_settings, InProcessRelay};
 
@@ -91,5 +93,143 @@ async fn an_idle_relay_leaves_no_transaction_open_between_polls() {
 
     relay.stop().await;
     rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
+/// An idle poll looks, outside any transaction, whether a claim would find
+/// anything (`Queries::ready`): it must see what the claim's scans would
+/// take, or an idle relay would leave rows waiting until something else
+/// made it claim; and pass over what the relay's own batches hold, or a
+/// worker standing by beside them would claim in vain at every poll. It
+/// must lock nothing: a row lock gives the statement a transaction id,
+/// and its commit then waits for the WAL flush and any synchronous standby
+/// (`failover::a_missing_standby_makes_the_relay_give_up_no_session` found
+/// idle workers waiting there). On a server that takes no writes it must
+/// fail as the claim does, so that a relay left on a demoted primary
+/// reconnects instead of finding nothing there for good.
+#[tokio::test]
+async fn a_look_sees_what_a_claim_would_take_and_locks_nothing() {
+    let db = TestDb::new().await;
+    let session = ClaimSession::open(&db.config, &db.schema)
+        .await
+        .expect("session");
+    let all = outbox_tests::claim::all_partitions();
+    let look = |partitions: Vec<i16>, floor: i64, mine: Vec<i64>| {
+        let session = &session;
+        async move {
+            session
+                .ready(&partitions, floor, &mine)
+                .await
+                .expect("look")
+        }
+    };
+    let table = db.table();
+
+    assert!(
+        !look(all.clone(), 0, vec![]).await,
+        "an empty outbox looked ready"
+    );
+
+    let m = Message::builder("orders")
+        .key("k")
+        .payload(b"x".to_vec())
+        .build()
+        .expect("valid");
+    db.outbox().enqueue(&db.client, &m).await.expect("enqueue");
+    let row = db
+        .client
+        .query_one(&format!("SELECT seq, partition FROM {table}"), &[])
+        .await
+        .expect("row");
+    let (seq, partition): (i64, i16) = (row.get(0), row.get(1));
+    assert!(
+        look(all.clone(), 0, vec![]).await,
+        "a fresh row was not seen"
+    );
+    assert!(
+        look(vec![partition], seq, vec![]).await,
+        "a fresh row at the floor was not seen"
+    );
+    assert!(
+        !look(all.clone(), seq + 1, vec![]).await,
+        "a row below the floor was seen: the claim's fresh scan starts at the floor"
+    );
+    let others: Vec<i16> = all.iter().copied().filter(|p| *p != partition).collect();
+    assert!(
+        !look(others, 0, vec![]).await,
+        "a row of a partition this replica does not own was seen"
+    );
+    assert!(
+        !look(all.clone(), 0, vec![seq]).await,
+        "a row the relay's own batch holds was seen"
+    );
+
+    // The look locks nothing, so it takes no transaction id: asked inside a
+    // transaction, it leaves that transaction without one.
+    let client = session.client();
+    client.batch_execute("BEGIN").await.expect("begin");
+    assert!(look(all.clone(), 0, vec![]).await);
+    let xid: Option<i64> = client
+        .query_one("SELECT txid_current_if_assigned()", &[])
+        .await
+        .expect("xid")
+        .get(0);
+    client.batch_execute("ROLLBACK").await.expect("rollback");
+    assert_eq!(
+        xid, None,
+        "the look took a transaction id: its commit would wait for the WAL flush and the standbys"
+    );
+
+    // Waiting out a retry: not seen until its time comes, then seen even
+    // below the floor (the due scan has no floor), but not when the
+    // relay's own batch holds it.
+    db.client
+        .execute(
+            &format!("UPDATE {table} SET next_attempt_at = now() + interval '1 hour'"),
+            &[],
+        )
+        .await
+        .expect("wait");
+    assert!(
+        !look(all.clone(), 0, vec![]).await,
+        "a row waiting out a retry was seen"
+    );
+    db.client
+        .execute(
+            &format!("UPDATE {table} SET next_attempt_at = now() - interval '1 second'"),
+            &[],
+        )
+        .await
+        .expect("due");
+    assert!(
+        look(all.clone(), seq + 1, vec![]).await,
+        "a due row was not seen"
+    );
+    assert!(
+        !look(all.clone(), seq + 1, vec![seq]).await,
+        "a due row the relay's own batch holds was seen"
+    );
+
+    // And the claim that follows takes it.
+    let claimed = session.verdicts(seq + 1).await.expect("claim");
+    assert_eq!(
+        claimed,
+        vec![(seq, false)],
+        "the claim after a look did not take the row"
+    );
+
+    session
+        .set("SET default_transaction_read_only = on")
+        .await
+        .expect("set");
+    let refused = session
+        .ready(&all, 0, &[])
+        .await
+        .expect_err("a look on a server that takes no writes succeeded");
+    assert_eq!(
+        refused.code(),
+        Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION),
+        "{refused}"
+    );
     db.cleanup().await;
 }

@@ -153,12 +153,18 @@ impl Loop {
     }
 
     fn claims_between(&self, from: Instant, to: Instant) -> usize {
-        self.store
-            .claims()
-            .iter()
-            .filter(|(at, _)| *at >= from && *at <= to)
-            .count()
+        between(self.store.claims().iter().map(|c| c.0), from, to)
     }
+
+    /// Looks outside a transaction (`Session::ready`) between the two.
+    fn looks_between(&self, from: Instant, to: Instant) -> usize {
+        between(self.store.looks().iter().map(|l| l.0), from, to)
+    }
+}
+
+/// How many of `times` fall from `from` to `to`.
+fn between(times: impl Iterator<Item = Instant>, from: Instant, to: Instant) -> usize {
+    times.filter(|at| *at >= from && *at <= to).count()
 }
 
 fn enqueue_spread(store: &MemoryStore, rows: usize, keys: usize) {

@@ -33,6 +33,7 @@ pub use statements::HEADER_BYTES;
 #[derive(Debug, Clone)]
 pub struct Prepared {
     lock: Statement,
+    ready: Statement,
     probe: Statement,
     bodies: Statement,
     paused: Statement,
@@ -130,6 +131,7 @@ pub struct TooLarge {
 #[derive(Debug, Clone)]
 pub struct Queries {
     lock: String,
+    ready: String,
     probe: String,
     bodies: String,
     paused: String,
@@ -157,6 +159,13 @@ impl Queries {
     /// other batches hold locked (`bigint[]`).
     pub fn lock_sql(&self) -> &str {
         &self.lock
+    }
+
+    /// Whether a claim would find anything, for EXPLAIN. Its parameters:
+    /// partitions (`smallint[]`), floor, and the seqs the relay's batches
+    /// hold locked (`bigint[]`).
+    pub fn ready_sql(&self) -> &str {
+        &self.ready
     }
 
     /// The head-of-key probes, for EXPLAIN. Its parameters: the kept rows'
@@ -213,6 +222,12 @@ impl Queries {
                 &[Type::INT8, Type::INT2_ARRAY, Type::INT8, Type::INT8_ARRAY],
             )
             .await?;
+        let ready = client
+            .prepare_typed(
+                &self.ready,
+                &[Type::INT2_ARRAY, Type::INT8, Type::INT8_ARRAY],
+            )
+            .await?;
         let probe = client
             .prepare_typed(
                 &self.probe,
@@ -244,6 +259,7 @@ impl Queries {
         };
         Ok(Prepared {
             lock,
+            ready,
             probe,
             bodies,
             paused,
@@ -273,6 +289,24 @@ impl Queries {
     ) -> Result<Claimed, tokio_postgres::Error> {
         self.claim_beside(tx, prepared, limits, partitions, floor, &[], |_| locked())
             .await
+    }
+
+    /// Whether a claim of `partitions` from `floor`, beside batches that
+    /// hold the rows `mine`, would find a row; asked on `client` outside
+    /// any transaction. It locks nothing, so a row another replica holds
+    /// counts as found. `prepared` must come from the same connection.
+    pub async fn ready(
+        &self,
+        client: &Client,
+        prepared: &Prepared,
+        partitions: &[i16],
+        floor: i64,
+        mine: &[i64],
+    ) -> Result<bool, tokio_postgres::Error> {
+        client
+            .query_one(&prepared.ready, &[&partitions, &floor, &mine])
+            .await?
+            .try_get("ready")
     }
 
     /// [`Queries::claim`], beside other batches of the relay's that hold

@@ -180,6 +180,34 @@ impl Queries {
                  CROSS JOIN LATERAL {parked_from} d \
                  WHERE b.seq IS NOT NULL OR d.parked_from IS NOT NULL"
             ),
+            // Whether a claim would find anything, asked outside any
+            // transaction in place of a claim after one that found nothing:
+            // an idle poll is then one statement and one round trip, where
+            // a claim is BEGIN, the claim and a ROLLBACK. Each branch is one
+            // of the locking scans, stopped at its first row. It locks
+            // nothing: a row lock would give the statement a transaction
+            // id, and its commit would wait for the WAL flush and for any
+            // synchronous standby (a standby gone missing left every idle
+            // worker waiting there). So rows are passed over as the claim
+            // passes over them only when the relay's own batches hold them
+            // (`$3`, by seq); rows another replica holds are seen, and the
+            // claim that follows finds nothing. The guard locks no row (its
+            // limit stops it first), but its `FOR UPDATE` makes the look
+            // fail as a claim would on a server that takes no writes (a
+            // standby after a failover, `default_transaction_read_only`),
+            // so a relay left there reconnects rather than finding nothing
+            // there for good.
+            ready: format!(
+                "WITH guard AS (SELECT FROM {t} LIMIT 0 FOR UPDATE) \
+                 SELECT NOT EXISTS (SELECT FROM guard) AND ( \
+                    EXISTS (SELECT FROM {t} \
+                            WHERE next_attempt_at = '-infinity' AND partition = ANY($1::smallint[]) \
+                              AND seq >= $2 AND seq NOT IN (SELECT unnest($3::bigint[]))) \
+                    OR EXISTS (SELECT FROM {t} \
+                               WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
+                                 AND partition = ANY($1::smallint[]) \
+                                 AND seq NOT IN (SELECT unnest($3::bigint[])))) AS ready"
+            ),
             // In seq order, as the kept rows are: the index gives that order.
             bodies: format!(
                 "SELECT seq, headers, payload FROM {t} WHERE seq = ANY($1::bigint[]) ORDER BY seq"
