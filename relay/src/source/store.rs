@@ -338,6 +338,9 @@ impl Session for PgSession {
         // A transaction left open (its batch dropped) is rolled back first,
         // in the same round trip, so that the look runs outside it.
         let rollback_first = std::mem::take(&mut self.dangling);
+        // Read outside the claim lock: a claim running now may not have
+        // listed its rows yet, and the look then says yes for them; the
+        // claim that follows passes over them.
         let mine = self.held.oldest(HELD_PASSED_OVER);
         let (client, queries, prepared) = (&self.client, &self.queries, &self.prepared);
         let look = async {

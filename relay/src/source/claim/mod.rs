@@ -161,13 +161,6 @@ impl Queries {
         &self.lock
     }
 
-    /// Whether a claim would find anything, for EXPLAIN. Its parameters:
-    /// partitions (`smallint[]`), floor, and the seqs the relay's batches
-    /// hold locked (`bigint[]`).
-    pub fn ready_sql(&self) -> &str {
-        &self.ready
-    }
-
     /// The head-of-key probes, for EXPLAIN. Its parameters: the kept rows'
     /// keys (`text[]`) and each key's newest kept seq (`bigint[]`), the kept
     /// seqs (`bigint[]`), the floor's probe and scan seqs, and the ids of
