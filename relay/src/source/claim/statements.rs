@@ -63,6 +63,23 @@ impl Queries {
              event_type, created_at, attempts, octet_length(payload)::bigint AS size, \
              {HEADER_BYTES}::bigint AS headers_size, {WAL_INSERTED} AS wal_inserted"
         );
+        // The rows a claim takes, by its two paths, given the parameters
+        // that stand for the replica's partitions, the floor and the seqs
+        // the relay's batches hold: written once for the claim's locking
+        // scans and the look (`ready`), so that the look sees what the
+        // claim would take.
+        let fresh = |partitions: &str, floor: &str, held: &str| {
+            format!(
+                "next_attempt_at = '-infinity' AND partition = ANY({partitions}::smallint[]) \
+                 AND seq >= {floor} AND seq NOT IN (SELECT unnest({held}::bigint[]))"
+            )
+        };
+        let due = |partitions: &str| {
+            format!(
+                "next_attempt_at > '-infinity' AND next_attempt_at <= now() \
+                 AND partition = ANY({partitions}::smallint[])"
+            )
+        };
         Queries {
             // A claim is two round trips. The first (`lock`) runs the two
             // locking scans, each bounded by the batch size: fresh rows in
@@ -127,17 +144,15 @@ impl Queries {
             // which is flushed only with a commit (see `Claimed::flushed`).
             lock: format!(
                 "WITH fresh AS ( \
-                    SELECT {columns} FROM {t} \
-                    WHERE next_attempt_at = '-infinity' AND partition = ANY($2::smallint[]) \
-                      AND seq >= $3 AND seq NOT IN (SELECT unnest($4::bigint[])) \
+                    SELECT {columns} FROM {t} WHERE {} \
                     ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ), due AS ( \
-                    SELECT {columns} FROM {t} \
-                    WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
-                      AND partition = ANY($2::smallint[]) \
+                    SELECT {columns} FROM {t} WHERE {} \
                     ORDER BY next_attempt_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ) \
-                 SELECT * FROM fresh UNION ALL SELECT * FROM due"
+                 SELECT * FROM fresh UNION ALL SELECT * FROM due",
+                fresh("$2", "$3", "$4"),
+                due("$2")
             ),
             // Only keys with something found come back. A blocker's time is
             // returned only when it is finite: an in-flight fresh row's
@@ -184,7 +199,7 @@ impl Queries {
             // transaction in place of a claim after one that found nothing:
             // an idle poll is then one statement and one round trip, where
             // a claim is BEGIN, the claim and a ROLLBACK. Each branch is one
-            // of the locking scans, stopped at its first row. It locks
+            // of the locking scans' conditions, stopped at its first row. It locks
             // nothing: a row lock would give the statement a transaction
             // id, and its commit would wait for the WAL flush and for any
             // synchronous standby (a standby gone missing left every idle
@@ -200,13 +215,11 @@ impl Queries {
             ready: format!(
                 "WITH guard AS (SELECT FROM {t} LIMIT 0 FOR UPDATE) \
                  SELECT NOT EXISTS (SELECT FROM guard) AND ( \
-                    EXISTS (SELECT FROM {t} \
-                            WHERE next_attempt_at = '-infinity' AND partition = ANY($1::smallint[]) \
-                              AND seq >= $2 AND seq NOT IN (SELECT unnest($3::bigint[]))) \
-                    OR EXISTS (SELECT FROM {t} \
-                               WHERE next_attempt_at > '-infinity' AND next_attempt_at <= now() \
-                                 AND partition = ANY($1::smallint[]) \
-                                 AND seq NOT IN (SELECT unnest($3::bigint[])))) AS ready"
+                    EXISTS (SELECT FROM {t} WHERE {}) \
+                    OR EXISTS (SELECT FROM {t} WHERE {} \
+                               AND seq NOT IN (SELECT unnest($3::bigint[])))) AS ready",
+                fresh("$1", "$2", "$3"),
+                due("$1")
             ),
             // In seq order, as the kept rows are: the index gives that order.
             bodies: format!(
