@@ -241,6 +241,7 @@ impl<P: Publisher> Relay<P> {
                     self.pg.clone(),
                     self.schema.clone(),
                     Arc::clone(&floor),
+                    owned.clone(),
                     rescan,
                     self.settings.reconnect_max,
                     shutdown.clone(),

@@ -368,7 +368,11 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         if partitions.is_empty() {
             return Ok(BatchEnd::Empty { behind: false });
         }
-        if look_first && !db.ready(&partitions, &self.floor.at()).await? {
+        if look_first
+            && !db
+                .ready(&partitions, &self.floor.at_for(&partitions))
+                .await?
+        {
             return Ok(BatchEnd::Empty { behind: false });
         }
         let mut tx = db.begin().await?;
@@ -412,11 +416,16 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         // The next claim may start once this one's rows are locked, while
         // their verdicts are still being decided.
         let claimed = tx
-            .claim(&limits, &partitions, self.floor.at(), move || {
-                drop(claiming);
-                metrics::histogram!(crate::metrics::CLAIM_LOCKING)
-                    .record(claimed_at.elapsed().as_secs_f64());
-            })
+            .claim(
+                &limits,
+                &partitions,
+                self.floor.at_for(&partitions),
+                move || {
+                    drop(claiming);
+                    metrics::histogram!(crate::metrics::CLAIM_LOCKING)
+                        .record(claimed_at.elapsed().as_secs_f64());
+                },
+            )
             .await?;
         // Every commit the claim could see had been made by now.
         let seen = Instant::now();

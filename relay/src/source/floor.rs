@@ -73,6 +73,7 @@ use tokio::time::Instant;
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
+use crate::source::ownership::{Owned, PARTITIONS};
 use crate::supervise::{sleep_or_cancel, supervise};
 
 /// How often the floor is moved while claims are running.
@@ -113,6 +114,25 @@ pub struct FloorAt {
     /// from `probe`, it walked each batch key's rows deleted since, which
     /// such a writer keeps from being marked dead. `None`: from `probe`.
     pub open: Option<Arc<[i64]>>,
+    /// A higher seq for the fresh scan of the partitions this replica
+    /// owns, when it owns some and not all (see [`Own`]).
+    pub own: Option<Own>,
+}
+
+/// The floor of a set of partitions: the lowest seq a fresh row of one of
+/// them can have. Above the shared floor when a partition this replica does
+/// not own holds older fresh rows (another replica's hot key, behind a slow
+/// broker): the fresh index is ordered by seq alone, so a scan of this
+/// replica's partitions from the shared floor reads every one of those
+/// rows to find none of its own, at every poll (at 100,000 such rows,
+/// 55 ms and 14,500 buffers per look). Kept from the shared floor's proof
+/// (see [`Tracker::confirm`]), it steps over them once per step instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Own {
+    /// The partitions it holds for, sorted.
+    pub partitions: Arc<Vec<i16>>,
+    /// The seq their fresh scan starts from.
+    pub scan: i64,
 }
 
 impl From<i64> for FloorAt {
@@ -121,6 +141,7 @@ impl From<i64> for FloorAt {
             scan: seq,
             probe: seq,
             open: None,
+            own: None,
         }
     }
 }
@@ -142,6 +163,26 @@ impl Floor {
     /// Both of the floor's seqs, read together.
     pub fn at(&self) -> FloorAt {
         self.at.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The floor for a claim of `partitions`: its scan starts from the
+    /// floor of the partitions this replica owns when that floor holds for
+    /// every one of them, and from the shared floor otherwise (ownership
+    /// just grew, or the floor of the new set is not known yet). A floor
+    /// kept for fewer partitions says nothing of the others: used for
+    /// them, it would pass their fresh rows for good.
+    pub fn at_for(&self, partitions: &[i16]) -> FloorAt {
+        let mut at = self.at();
+        if let Some(own) = at.own.take() {
+            if own.scan > at.scan
+                && partitions
+                    .iter()
+                    .all(|p| own.partitions.binary_search(p).is_ok())
+            {
+                at.scan = own.scan;
+            }
+        }
+        at
     }
 
     /// Counts a claim that took rows, so the floor moves only while there
@@ -167,6 +208,9 @@ struct Statements {
     writers: String,
     /// The lowest fresh seq in [$1, $2], else $2 + 1.
     lowest_fresh: String,
+    /// The same, and the lowest fresh seq of the partitions $4 in [$3, $2],
+    /// else $2 + 1.
+    lowest_fresh_own: String,
 }
 
 impl Statements {
@@ -202,6 +246,15 @@ impl Statements {
             lowest_fresh: format!(
                 "SELECT coalesce((SELECT seq FROM {table} \
                    WHERE next_attempt_at = '-infinity' AND seq >= $1 AND seq <= $2 \
+                   ORDER BY seq LIMIT 1), $2 + 1)"
+            ),
+            lowest_fresh_own: format!(
+                "SELECT coalesce((SELECT seq FROM {table} \
+                   WHERE next_attempt_at = '-infinity' AND seq >= $1 AND seq <= $2 \
+                   ORDER BY seq LIMIT 1), $2 + 1), \
+                 coalesce((SELECT seq FROM {table} \
+                   WHERE next_attempt_at = '-infinity' AND partition = ANY($4::smallint[]) \
+                     AND seq >= $3 AND seq <= $2 \
                    ORDER BY seq LIMIT 1), $2 + 1)"
             ),
         }
@@ -247,6 +300,7 @@ struct Prepared {
     sequence: Statement,
     writers: Statement,
     lowest_fresh: Statement,
+    lowest_fresh_own: Statement,
 }
 
 /// One relay's floor computation: what step 3 is waiting for.
@@ -260,6 +314,19 @@ pub struct Tracker {
     last_full: Option<Instant>,
     /// The sequence's cache size, once a step found it above 1.
     cached: Option<i64>,
+    /// The partitions this replica owns, when it owns some and not all:
+    /// their floor is kept beside the shared one.
+    partitions: Option<Arc<Vec<i16>>>,
+    /// Their floor, as of the last step that computed it.
+    own: Option<Own>,
+    /// The set last given to [`Tracker::set_partitions`], as ownership
+    /// published it.
+    owned: Option<Arc<Vec<i16>>>,
+    /// The sequence's last value, as last read, and as of the last list of
+    /// writers: a replica that owns some partitions steps when the
+    /// sequence has moved since, claims or not (see [`Tracker::own_due`]).
+    last_value: i64,
+    listed_upto: i64,
 }
 
 /// Why the floor cannot be used on this outbox.
@@ -286,7 +353,48 @@ impl Tracker {
             rescan,
             last_full: None,
             cached: None,
+            partitions: None,
+            own: None,
+            owned: None,
+            last_value: 0,
+            listed_upto: 0,
         }
+    }
+
+    /// The partitions this replica owns now. Their floor is kept when they
+    /// are some and not all (all: it is the shared floor); a floor kept for
+    /// another set is dropped at the next step that computes one.
+    pub fn set_partitions(&mut self, partitions: &Arc<Vec<i16>>) {
+        if self
+            .owned
+            .as_ref()
+            .is_some_and(|o| Arc::ptr_eq(o, partitions))
+        {
+            return;
+        }
+        self.owned = Some(Arc::clone(partitions));
+        let some = !partitions.is_empty() && partitions.len() < PARTITIONS as usize;
+        self.partitions = some.then(|| {
+            let mut sorted = Vec::clone(partitions);
+            sorted.sort_unstable();
+            Arc::new(sorted)
+        });
+        if self.partitions.is_none() {
+            self.own = None;
+        }
+    }
+
+    /// Whether a step is due for the floor of this replica's partitions,
+    /// whether or not its claims take rows: a replica whose claims find
+    /// nothing would otherwise keep a floor below the rows other replicas'
+    /// partitions gain, and walk them at every poll. Due when that floor
+    /// is not known for the partitions owned now, or when the sequence has
+    /// given seqs since the last list of writers.
+    pub fn own_due(&self) -> bool {
+        self.partitions.as_ref().is_some_and(|p| {
+            self.own.as_ref().is_none_or(|o| o.partitions != *p)
+                || self.last_value > self.listed_upto
+        })
     }
 
     /// The sequence's cache size, if a step found that it hands out values
@@ -326,10 +434,15 @@ impl Tracker {
             .prepare(&self.statements.lowest_fresh)
             .await
             .map_err(Unusable::Sequence)?;
+        let lowest_fresh_own = client
+            .prepare(&self.statements.lowest_fresh_own)
+            .await
+            .map_err(Unusable::Sequence)?;
         self.prepared = Some(Prepared {
             sequence,
             writers,
             lowest_fresh,
+            lowest_fresh_own,
         });
         self.candidate = None;
         Ok(())
@@ -364,6 +477,8 @@ impl Tracker {
                 let listed = async {
                     let row = client.query_one(&prepared.sequence, &[]).await?;
                     let upto: i64 = row.get(1);
+                    self.last_value = upto;
+                    self.listed_upto = upto;
                     let (again, writers) = futures::try_join!(
                         client.query_one(&prepared.sequence, &[]),
                         writers_now(client, prepared)
@@ -386,6 +501,7 @@ impl Tracker {
                         self.cached = Some(cache);
                         self.candidate = None;
                         self.passed.clear();
+                        self.own = None;
                         return Ok(None);
                     }
                     Ok((None, candidate)) if candidate.upto < moved.unwrap_or(current) - 1 => {
@@ -418,8 +534,10 @@ impl Tracker {
         };
         let row = client.query_one(&prepared.sequence, &[]).await?;
         let (cache, last): (i64, i64) = (row.get(0), row.get(1));
+        self.last_value = last;
         if cache != 1 {
             self.cached = Some(cache);
+            self.own = None;
             return Ok(Some(0));
         }
         Ok((last < current - 1).then(|| self.went_back()))
@@ -440,6 +558,7 @@ impl Tracker {
         self.candidate = None;
         self.passed.clear();
         self.last_full = None;
+        self.own = None;
         0
     }
 
@@ -467,6 +586,7 @@ impl Tracker {
             scan,
             probe: self.passed_base().map_or(scan, |b| b.min(scan)),
             open: open.filter(|ids| !ids.is_empty()).map(Arc::from),
+            own: self.own.clone().filter(|o| o.scan > scan),
         }
     }
 
@@ -499,6 +619,9 @@ impl Tracker {
             // and waits there, as for any prepared transaction.
             let base = self.passed_base();
             self.passed.clear();
+            if base.is_some() {
+                self.own = None;
+            }
             return Ok(base.map(|b| b.min(current)));
         }
         let ended = self
@@ -518,6 +641,9 @@ impl Tracker {
                 .query_one(&prepared.lowest_fresh, &[&base, &(current - 1)])
                 .await?;
             self.passed.retain(|p| writers.contains(&p.writer));
+            // The floor of this replica's partitions may lie above that
+            // writer's rows too: it is computed again from the shared one.
+            self.own = None;
             return Ok(Some(row.get(0)));
         }
         let Some(candidate) = &self.candidate else {
@@ -555,9 +681,37 @@ impl Tracker {
         }
         let full = self.rescan_due();
         let from = if full { 0 } else { current };
-        let row = client
-            .query_one(&prepared.lowest_fresh, &[&from, &candidate.upto])
-            .await?;
+        let row = match &self.partitions {
+            // The floor of this replica's partitions, by the same proof:
+            // every row up to the candidate's seq is committed, gone, or a
+            // passed writer's (whose end brings both floors back). It starts
+            // from its last value when that was kept for the same
+            // partitions, since no fresh row of theirs lay below it; from
+            // the shared floor's start otherwise.
+            Some(partitions) => {
+                let own_from = match &self.own {
+                    Some(o) if !full && o.partitions == *partitions => o.scan.max(from),
+                    _ => from,
+                };
+                let row = client
+                    .query_one(
+                        &prepared.lowest_fresh_own,
+                        &[&from, &candidate.upto, &own_from, &**partitions],
+                    )
+                    .await?;
+                self.own = Some(Own {
+                    partitions: Arc::clone(partitions),
+                    scan: row.get(1),
+                });
+                row
+            }
+            None => {
+                self.own = None;
+                client
+                    .query_one(&prepared.lowest_fresh, &[&from, &candidate.upto])
+                    .await?
+            }
+        };
         if full {
             self.last_full = Some(Instant::now());
         }
@@ -636,6 +790,7 @@ pub async fn run(
     pg: super::Database,
     schema: SchemaName,
     floor: Arc<Floor>,
+    owned: Owned,
     rescan: Duration,
     reconnect_max: Duration,
     shutdown: CancellationToken,
@@ -694,7 +849,8 @@ pub async fn run(
                 // rests until claims resume or a rescan is due (or a writer
                 // the floor moved past ends).
                 let claims = floor.claims.load(Ordering::Relaxed);
-                let moved = if claims != seen || tracker.rescan_due() {
+                tracker.set_partitions(&owned.borrow());
+                let moved = if claims != seen || tracker.rescan_due() || tracker.own_due() {
                     seen = claims;
                     client
                         .answered(BOUND, tracker.step(&client, floor.get()))

@@ -116,66 +116,13 @@ async fn late_commits_are_never_passed_by_the_floor() {
     };
     let relay = InProcessRelay::with(&db, publisher, settings);
     let floor = relay.floor.clone();
-    let mut writers = Vec::new();
-    for w in 0..8u64 {
-        let config = db.config.clone();
-        let outbox = db.outbox();
-        let own_seqs = format!(
-            "SELECT message_id, seq, ordering_key FROM {} WHERE message_id = ANY($1)",
-            db.table()
-        );
-        writers.push(tokio::spawn(async move {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (w + 1));
-            let mut client = connect(&config).await;
-            let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
-            for t in 0..60 {
-                let tx = client.transaction().await.expect("begin");
-                let n = rng.random_range(1..=4);
-                let batch: Vec<Message> = (0..n)
-                    .map(|i| {
-                        let key = format!("k{}", rng.random_range(0..20));
-                        message("x", &key, format!("w{w}-t{t}-{i}"))
-                    })
-                    .collect();
-                let ids = outbox.enqueue_batch(&tx, &batch).await.expect("enqueue");
-                let rows: Vec<Written> = tx
-                    .query(
-                        &own_seqs,
-                        &[&ids.iter().map(|i| i.as_uuid()).collect::<Vec<_>>()],
-                    )
-                    .await
-                    .expect("own seqs")
-                    .iter()
-                    .map(|r| Written {
-                        id: r.get(0),
-                        seq: r.get(1),
-                        key: r.get(2),
-                        commit_began: Instant::now(),
-                        committed: Instant::now(),
-                    })
-                    .collect();
-                match rng.random_range(0..10) {
-                    // Late: hold the rows uncommitted while others commit
-                    // and go out, then commit.
-                    0..=2 => {
-                        tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500)))
-                            .await;
-                        committed.extend(commit_timed(tx, rows).await);
-                    }
-                    3 => {
-                        tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
-                        tx.rollback().await.expect("rollback");
-                        rolled_back.extend(ids.iter().map(|i| i.as_uuid()));
-                    }
-                    _ => {
-                        committed.extend(commit_timed(tx, rows).await);
-                        tokio::time::sleep(Duration::from_millis(rng.random_range(0..40))).await;
-                    }
-                }
-            }
-            (committed, rolled_back)
-        }));
-    }
+    let writers: Vec<_> = (0..8u64)
+        .map(|w| {
+            spawn_late_writer(&db, seed ^ (w + 1), w, 60, |rng| {
+                format!("k{}", rng.random_range(0..20))
+            })
+        })
+        .collect();
     let mut highest_floor = 0;
     let mut written = Vec::new();
     let mut rolled_back = HashSet::new();
@@ -615,6 +562,163 @@ async fn commit_timed(tx: tokio_postgres::Transaction<'_>, mut rows: Vec<Written
         (r.commit_began, r.committed) = (began, done);
     }
     rows
+}
+
+/// What a writer of [`spawn_late_writer`] committed, and the ids it rolled back.
+type WriterResult = (Vec<Written>, Vec<uuid::Uuid>);
+
+/// A writer of `transactions` transactions of 1-4 rows, each with a key
+/// from `key`: a seeded three in ten hold their rows uncommitted for
+/// 200-1,500 ms while others commit and go out, one in ten rolls back, and
+/// the rest commit at once.
+fn spawn_late_writer(
+    db: &TestDb,
+    seed: u64,
+    w: u64,
+    transactions: usize,
+    key: impl Fn(&mut rand::rngs::StdRng) -> String + Send + 'static,
+) -> tokio::task::JoinHandle<WriterResult> {
+    let config = db.config.clone();
+    let outbox = db.outbox();
+    let own_seqs = format!(
+        "SELECT message_id, seq, ordering_key FROM {} WHERE message_id = ANY($1)",
+        db.table()
+    );
+    tokio::spawn(async move {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut client = connect(&config).await;
+        let (mut committed, mut rolled_back) = (Vec::new(), Vec::new());
+        for t in 0..transactions {
+            let tx = client.transaction().await.expect("begin");
+            let n = rng.random_range(1..=4);
+            let batch: Vec<Message> = (0..n)
+                .map(|i| message("x", &key(&mut rng), format!("w{w}-t{t}-{i}")))
+                .collect();
+            let ids = outbox.enqueue_batch(&tx, &batch).await.expect("enqueue");
+            let rows: Vec<Written> = tx
+                .query(
+                    &own_seqs,
+                    &[&ids.iter().map(|i| i.as_uuid()).collect::<Vec<_>>()],
+                )
+                .await
+                .expect("own seqs")
+                .iter()
+                .map(|r| Written {
+                    id: r.get(0),
+                    seq: r.get(1),
+                    key: r.get(2),
+                    commit_began: Instant::now(),
+                    committed: Instant::now(),
+                })
+                .collect();
+            match rng.random_range(0..10) {
+                // Late: hold the rows uncommitted while others commit and
+                // go out, then commit.
+                0..=2 => {
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500))).await;
+                    committed.extend(commit_timed(tx, rows).await);
+                }
+                3 => {
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
+                    tx.rollback().await.expect("rollback");
+                    rolled_back.extend(ids.iter().map(|i| i.as_uuid()));
+                }
+                _ => {
+                    committed.extend(commit_timed(tx, rows).await);
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..40))).await;
+                }
+            }
+        }
+        (committed, rolled_back)
+    })
+}
+
+/// Replicas that come and go while writers commit late, with no rescan:
+/// each replica keeps a floor for the partitions it owns beside the shared
+/// one, and ownership moves at every start and stop. A seeded 2-4 replicas
+/// at a time, a seeded share of the rows on one hot key, under a pinned
+/// snapshot. A floor kept for one set of partitions and used for another,
+/// or not brought back for a late commit, leaves rows behind for good.
+/// Every committed message must go out, no rolled-back one, and the
+/// replicas must have used floors of their own (else nothing was tested).
+#[tokio::test]
+async fn replicas_that_come_and_go_pass_no_late_commit() {
+    outbox_tests::init_logging();
+    let seed = outbox_tests::seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let hot_share = rng.random_range(0..=60u32);
+    let most = rng.random_range(2..=4usize);
+    println!("seed {seed}: up to {most} replicas, {hot_share} % of the rows on one key");
+    let db = TestDb::new().await;
+    let pin = pinned_snapshot(&db.config).await;
+    let start = || {
+        let settings = outbox_relay::Settings {
+            batch_size: 50,
+            claim_floor_rescan: Some(NO_RESCAN),
+            ..fast_settings()
+        };
+        InProcessRelay::with(&db, MemoryPublisher::new(), settings)
+    };
+    let mut replicas = vec![start(), start()];
+    let writers: Vec<_> = (0..6u64)
+        .map(|w| {
+            spawn_late_writer(&db, seed ^ (w + 1), w, 60, move |rng| {
+                if rng.random_range(0..100) < hot_share {
+                    "hot".to_owned()
+                } else {
+                    format!("k{}", rng.random_range(0..40))
+                }
+            })
+        })
+        .collect();
+    let mut went_out: HashSet<uuid::Uuid> = HashSet::new();
+    let (mut own_seen, mut changes) = (0, 0);
+    while !writers.iter().all(|w| w.is_finished()) {
+        let pause = Instant::now() + Duration::from_millis(rng.random_range(300..1200));
+        while Instant::now() < pause {
+            own_seen += replicas
+                .iter()
+                .filter(|r| r.floor.at().own.is_some())
+                .count();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if replicas.len() > 1 && (replicas.len() == most || rng.random_bool(0.5)) {
+            let gone = replicas.swap_remove(rng.random_range(0..replicas.len()));
+            went_out.extend(published(&gone));
+            gone.stop().await;
+        } else {
+            replicas.push(start());
+        }
+        changes += 1;
+    }
+    let (mut committed, mut rolled_back) = (HashSet::new(), HashSet::new());
+    for writer in writers {
+        let (c, r) = writer.await.expect("writer");
+        committed.extend(c.iter().map(|w| w.id));
+        rolled_back.extend(r);
+    }
+    let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
+    for r in replicas {
+        went_out.extend(published(&r));
+        r.stop().await;
+    }
+    let missing = committed.difference(&went_out).count();
+    assert!(
+        drained && missing == 0,
+        "seed {seed}: {missing} committed messages never went out ({} rows left) after {changes} changes of replicas",
+        db.pending().await
+    );
+    assert!(
+        went_out.is_disjoint(&rolled_back),
+        "seed {seed}: a rolled-back message went out"
+    );
+    assert!(
+        own_seen > 0,
+        "seed {seed}: no replica ever kept a floor of its own partitions, so nothing was tested"
+    );
+    println!("seed {seed}: {} messages, {changes} changes of replicas, floors of their own seen {own_seen} times", committed.len());
+    pin.batch_execute("ROLLBACK").await.expect("unpin");
+    db.cleanup().await;
 }
 
 /// The ids of the messages the relay's in-memory broker has accepted, in
@@ -1126,4 +1230,138 @@ async fn a_prepared_transaction_committed_late_is_not_passed_by_the_floor() {
     );
     relay.stop().await;
     drop(cluster);
+}
+
+/// A replica that does not own a hot key's partition must not walk that
+/// key's backlog at every poll. Another replica holds partitions 32-63 and
+/// publishes nothing (a replica behind a stalled broker), with 5,000 rows
+/// of one key waiting in one of them; this relay owns the other 32. The
+/// fresh index is ordered by seq alone, so a scan over this relay's
+/// partitions from a floor below the backlog reads every one of its
+/// entries to find none of its own. Before the floor was kept for the
+/// partitions a replica owns, every idle look did that: 5,000 entries
+/// about five times a second, a core of Postgres at 100,000 rows for a
+/// replica with nothing to do. Then the other replica leaves, and this
+/// relay must take the backlog, in order, with no rescan: a floor kept for
+/// 32 partitions must not be used for 64.
+#[tokio::test]
+async fn a_replica_does_not_walk_the_backlog_of_partitions_it_does_not_own() {
+    use outbox_relay::source::ownership::LockKeys;
+    const HOT: i64 = 5_000;
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let other = connect(&db.config).await;
+    let keys = LockKeys::fetch(&other, &db.schema).await.expect("keys");
+    other
+        .execute("SELECT pg_advisory_lock($1, 7)", &[&keys.presence])
+        .await
+        .expect("presence");
+    other
+        .execute(
+            "SELECT pg_advisory_lock($1, p) FROM generate_series(32, 63) AS p",
+            &[&keys.partitions],
+        )
+        .await
+        .expect("partitions");
+    let key: String = db
+        .client
+        .query_one(
+            "SELECT k FROM (SELECT 'hot-' || i AS k FROM generate_series(0, 99) AS i) s \
+             WHERE ((hashtext(k) % 64) + 64) % 64 >= 32 LIMIT 1",
+            &[],
+        )
+        .await
+        .expect("a key of the other replica's")
+        .get(0);
+    let rows: Vec<Message> = (0..HOT)
+        .map(|i| message("x", &key, format!("{i}")))
+        .collect();
+    for chunk in rows.chunks(1000) {
+        db.outbox()
+            .enqueue_batch(&db.client, chunk)
+            .await
+            .expect("enqueue");
+    }
+    let partition: i16 = db
+        .client
+        .query_one(&format!("SELECT min(partition) FROM {}", db.table()), &[])
+        .await
+        .expect("partition")
+        .get(0);
+    assert!(partition >= 32, "the hot key fell in partition {partition}");
+
+    let relay = without_rescan(&db);
+    let held = |n: i64| {
+        let client = &db.client;
+        let partitions = keys.partitions;
+        async move {
+            let held: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                     AND classid::int8 = $1::int8 AND objsubid = 2",
+                    &[&i64::from(partitions)],
+                )
+                .await
+                .expect("locks")
+                .get(0);
+            held == n
+        }
+    };
+    assert!(
+        eventually(PATIENCE, || held(64)).await,
+        "the relay never took the other 32 partitions"
+    );
+    // What the relay's sessions read of the fresh index, as Postgres counts
+    // it. A backend reports its counts about once a second while it works
+    // (ten seconds after it last did, once idle), so the window opens after
+    // the relay has settled and is long enough for many polls.
+    let fresh_reads = || async {
+        let n: i64 = db
+            .client
+            .query_one(
+                "SELECT idx_tup_read FROM pg_stat_user_indexes \
+                 WHERE schemaname = $1 AND indexrelname = 'messages_fresh'",
+                &[&db.schema.as_str()],
+            )
+            .await
+            .expect("index statistics")
+            .get(0);
+        n
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = fresh_reads().await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let read = fresh_reads().await - before;
+    println!(
+        "an idle replica beside {HOT} rows of another's partition read {read} entries of the fresh index in 4 s"
+    );
+    assert!(
+        published(&relay).is_empty(),
+        "the relay published rows of partitions it does not own"
+    );
+    // The floor's own computation walks the backlog once; its report may
+    // land in the window.
+    assert!(
+        read < 2 * HOT,
+        "an idle replica read {read} entries of the fresh index in 4 s: it walks \
+         the {HOT} rows of a partition it does not own, {} times over",
+        read / HOT
+    );
+
+    drop(other);
+    assert!(
+        eventually(PATIENCE, || async { published(&relay).len() as i64 == HOT }).await,
+        "{} of the {HOT} rows went out once the other replica left",
+        published(&relay).len()
+    );
+    let order: Vec<String> = relay
+        .publisher::<MemoryPublisher>()
+        .published()
+        .iter()
+        .map(|e| String::from_utf8_lossy(&e.payload).into_owned())
+        .collect();
+    let expected: Vec<String> = (0..HOT).map(|i| i.to_string()).collect();
+    assert_eq!(order, expected, "the hot key's rows went out out of order");
+    relay.stop().await;
+    db.cleanup().await;
 }
