@@ -112,6 +112,17 @@ impl TestDb {
         Outbox::with_schema(self.schema.clone())
     }
 
+    /// Enqueues `rows` on the test's own connection, 1,000 per statement.
+    pub async fn enqueue_all(&self, rows: &[outbox_client::Message]) {
+        let outbox = self.outbox();
+        for chunk in rows.chunks(1000) {
+            outbox
+                .enqueue_batch(&self.client, chunk)
+                .await
+                .expect("enqueue");
+        }
+    }
+
     /// `schema.messages`, quoted.
     pub fn table(&self) -> String {
         format!("{}.messages", self.schema.quoted())

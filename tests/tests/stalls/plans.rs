@@ -23,12 +23,7 @@ async fn enqueue_keyed(db: &TestDb, from: usize, to: usize, prefix: &str) {
                 .expect("valid")
         })
         .collect();
-    for chunk in rows.chunks(1000) {
-        db.outbox()
-            .enqueue_batch(&db.client, chunk)
-            .await
-            .expect("enqueue");
-    }
+    db.enqueue_all(&rows).await;
 }
 
 /// Whatever the machine's autovacuum does, this table is never vacuumed or
