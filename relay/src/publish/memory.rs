@@ -3,7 +3,7 @@
 //! what it was handed and answers as scripted.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use uuid::Uuid;
 
@@ -22,9 +22,11 @@ struct State {
 }
 
 /// Records every accepted envelope; can reject chosen ids or be "down".
-#[derive(Debug, Default)]
+/// Clones share one record and one script: one broker that several relays
+/// (replicas) publish to, accepting in one order.
+#[derive(Debug, Default, Clone)]
 pub struct MemoryPublisher {
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
 }
 
 impl MemoryPublisher {

@@ -143,30 +143,7 @@ async fn late_commits_are_never_passed_by_the_floor() {
         published.is_disjoint(&rolled_back),
         "seed {seed}: a rolled-back message went out"
     );
-    let first: std::collections::HashMap<uuid::Uuid, usize> = order
-        .iter()
-        .enumerate()
-        .rev()
-        .map(|(i, id)| (*id, i))
-        .collect();
-    let mut inversions = Vec::new();
-    for a in &written {
-        for b in &written {
-            if a.key == b.key
-                && a.seq < b.seq
-                && a.committed < b.commit_began
-                && first[&b.id] < first[&a.id]
-            {
-                inversions.push((a.seq, b.seq));
-            }
-        }
-    }
-    assert!(
-        inversions.is_empty(),
-        "seed {seed}: {} rows went out before an older row of their key committed earlier, e.g. (older, newer) seqs {:?}",
-        inversions.len(),
-        &inversions[..inversions.len().min(5)]
-    );
+    assert_key_order(seed, &written, &order);
     assert!(
         highest_floor > 100,
         "seed {seed}: the floor never moved (highest {highest_floor}), so nothing was tested"
@@ -558,6 +535,36 @@ async fn commit_timed(tx: tokio_postgres::Transaction<'_>, mut rows: Vec<Written
     rows
 }
 
+/// Panics if a row went out, the first time, before an older row of its
+/// key that had committed before its own transaction began to commit.
+/// `order` is every id the broker accepted, in the order it accepted them.
+fn assert_key_order(seed: u64, written: &[Written], order: &[uuid::Uuid]) {
+    let first: std::collections::HashMap<uuid::Uuid, usize> = order
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, id)| (*id, i))
+        .collect();
+    let mut inversions = Vec::new();
+    for a in written {
+        for b in written {
+            if a.key == b.key
+                && a.seq < b.seq
+                && a.committed < b.commit_began
+                && first[&b.id] < first[&a.id]
+            {
+                inversions.push((a.seq, b.seq));
+            }
+        }
+    }
+    assert!(
+        inversions.is_empty(),
+        "seed {seed}: {} rows went out before an older row of their key committed earlier, e.g. (older, newer) seqs {:?}",
+        inversions.len(),
+        &inversions[..inversions.len().min(5)]
+    );
+}
+
 /// What a writer of [`spawn_late_writer`] committed, and the ids it rolled back.
 type WriterResult = (Vec<Written>, Vec<uuid::Uuid>);
 
@@ -633,8 +640,10 @@ fn spawn_late_writer(
 /// at a time, a seeded share of the rows on one hot key, under a pinned
 /// snapshot. A floor kept for one set of partitions and used for another,
 /// or not brought back for a late commit, leaves rows behind for good.
-/// Every committed message must go out, no rolled-back one, and the
-/// replicas must have used floors of their own (else nothing was tested).
+/// Every committed message must go out, no rolled-back one, each key's
+/// rows in order (one broker, shared by the replicas, records the order
+/// they went out in), and the replicas must have used floors of their own
+/// (else nothing was tested).
 #[tokio::test]
 async fn replicas_that_come_and_go_pass_no_late_commit() {
     outbox_tests::init_logging();
@@ -645,13 +654,15 @@ async fn replicas_that_come_and_go_pass_no_late_commit() {
     println!("seed {seed}: up to {most} replicas, {hot_share} % of the rows on one key");
     let db = TestDb::new().await;
     let pin = pinned_snapshot(&db.config).await;
+    // One broker for every replica: it accepts in one order, across them.
+    let broker = MemoryPublisher::new();
     let start = || {
         let settings = outbox_relay::Settings {
             batch_size: 50,
             claim_floor_rescan: Some(NO_RESCAN),
             ..fast_settings()
         };
-        InProcessRelay::with(&db, MemoryPublisher::new(), settings)
+        InProcessRelay::with(&db, broker.clone(), settings)
     };
     let mut replicas = vec![start(), start()];
     let writers: Vec<_> = (0..6u64)
@@ -665,7 +676,6 @@ async fn replicas_that_come_and_go_pass_no_late_commit() {
             })
         })
         .collect();
-    let mut went_out: HashSet<uuid::Uuid> = HashSet::new();
     let (mut own_seen, mut changes) = (0, 0);
     while !writers.iter().all(|w| w.is_finished()) {
         let pause = Instant::now() + Duration::from_millis(rng.random_range(300..1200));
@@ -678,28 +688,27 @@ async fn replicas_that_come_and_go_pass_no_late_commit() {
         }
         if replicas.len() > 1 && (replicas.len() == most || rng.random_bool(0.5)) {
             let gone = replicas.swap_remove(rng.random_range(0..replicas.len()));
-            // Read once it has stopped: a batch in flight at the stop is
-            // still published and settled.
-            let broker = gone.publisher::<MemoryPublisher>();
             gone.stop().await;
-            went_out.extend(broker.published().iter().map(|e| e.message_id));
         } else {
             replicas.push(start());
         }
         changes += 1;
     }
-    let (mut committed, mut rolled_back) = (HashSet::new(), HashSet::new());
+    let (mut written, mut rolled_back) = (Vec::new(), HashSet::new());
     for writer in writers {
         let (c, r) = writer.await.expect("writer");
-        committed.extend(c.iter().map(|w| w.id));
+        written.extend(c);
         rolled_back.extend(r);
     }
+    let committed: HashSet<uuid::Uuid> = written.iter().map(|w| w.id).collect();
     let drained = eventually(PATIENCE, || async { db.pending().await == 0 }).await;
     for r in replicas {
-        let broker = r.publisher::<MemoryPublisher>();
         r.stop().await;
-        went_out.extend(broker.published().iter().map(|e| e.message_id));
     }
+    // Read once every replica has stopped: a batch in flight at a stop is
+    // still published and settled.
+    let order: Vec<uuid::Uuid> = broker.published().iter().map(|e| e.message_id).collect();
+    let went_out: HashSet<uuid::Uuid> = order.iter().copied().collect();
     let missing = committed.difference(&went_out).count();
     assert!(
         drained && missing == 0,
@@ -710,6 +719,7 @@ async fn replicas_that_come_and_go_pass_no_late_commit() {
         went_out.is_disjoint(&rolled_back),
         "seed {seed}: a rolled-back message went out"
     );
+    assert_key_order(seed, &written, &order);
     assert!(
         own_seen > 0,
         "seed {seed}: no replica ever kept a floor of its own partitions, so nothing was tested"
