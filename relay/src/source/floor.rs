@@ -57,6 +57,15 @@
 //! and about once a second while claims take nothing, since rows below
 //! the floor are never claimed and no step would run.
 //!
+//! A replica that owns some partitions and not all keeps a second floor,
+//! for those partitions ([`Own`]), computed in the same step from the same
+//! list: the lowest fresh seq among them. The fresh index is ordered by seq
+//! alone, so without it such a replica read every fresh row of the others'
+//! partitions above the shared floor (another replica's hot key, behind a
+//! slow broker) at every poll. A claim uses it only for partitions it was
+//! kept for, and it is computed again from the shared floor whenever that
+//! comes back.
+//!
 //! Rows re-enter the outbox below the floor only through the relay's own
 //! operations (retrying a dead letter, resuming a destination, releasing rows
 //! set aside), and those put them on the due path, which the floor does not
