@@ -138,7 +138,7 @@ pub struct FloorAt {
 /// (see [`Tracker::confirm`]), it steps over them once per step instead.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Own {
-    /// The partitions it holds for, sorted.
+    /// The partitions it holds for.
     pub partitions: Arc<Vec<i16>>,
     /// The seq their fresh scan starts from.
     pub scan: i64,
@@ -183,11 +183,7 @@ impl Floor {
     pub fn at_for(&self, partitions: &[i16]) -> FloorAt {
         let mut at = self.at();
         if let Some(own) = at.own.take() {
-            if own.scan > at.scan
-                && partitions
-                    .iter()
-                    .all(|p| own.partitions.binary_search(p).is_ok())
-            {
+            if own.scan > at.scan && partitions.iter().all(|p| own.partitions.contains(p)) {
                 at.scan = own.scan;
             }
         }
@@ -226,6 +222,14 @@ impl Statements {
     fn new(schema: &SchemaName) -> Self {
         let table = format!("{}.messages", schema.quoted());
         let literal = table.replace('\'', "''");
+        // The lowest fresh seq in [`from`, $2] that meets `and`, else $2 + 1.
+        let lowest = |from: &str, and: &str| {
+            format!(
+                "coalesce((SELECT seq FROM {table} \
+                   WHERE next_attempt_at = '-infinity' {and} AND seq >= {from} AND seq <= $2 \
+                   ORDER BY seq LIMIT 1), $2 + 1)"
+            )
+        };
         Statements {
             sequence: format!(
                 "SELECT s.seqcache, coalesce(pg_sequence_last_value(s.seqrelid), s.seqstart - s.seqincrement) \
@@ -252,19 +256,11 @@ impl Statements {
                  FROM w LEFT JOIN l t ON t.locktype = 'transactionid' \
                    AND t.virtualtransaction = w.vxid AND t.mode = 'ExclusiveLock' AND t.granted"
             ),
-            lowest_fresh: format!(
-                "SELECT coalesce((SELECT seq FROM {table} \
-                   WHERE next_attempt_at = '-infinity' AND seq >= $1 AND seq <= $2 \
-                   ORDER BY seq LIMIT 1), $2 + 1)"
-            ),
+            lowest_fresh: format!("SELECT {}", lowest("$1", "")),
             lowest_fresh_own: format!(
-                "SELECT coalesce((SELECT seq FROM {table} \
-                   WHERE next_attempt_at = '-infinity' AND seq >= $1 AND seq <= $2 \
-                   ORDER BY seq LIMIT 1), $2 + 1), \
-                 coalesce((SELECT seq FROM {table} \
-                   WHERE next_attempt_at = '-infinity' AND partition = ANY($4::smallint[]) \
-                     AND seq >= $3 AND seq <= $2 \
-                   ORDER BY seq LIMIT 1), $2 + 1)"
+                "SELECT {}, {}",
+                lowest("$1", ""),
+                lowest("$3", "AND partition = ANY($4::smallint[])")
             ),
         }
     }
@@ -328,9 +324,6 @@ pub struct Tracker {
     partitions: Option<Arc<Vec<i16>>>,
     /// Their floor, as of the last step that computed it.
     own: Option<Own>,
-    /// The set last given to [`Tracker::set_partitions`], as ownership
-    /// published it.
-    owned: Option<Arc<Vec<i16>>>,
     /// The sequence's last value, as last read, and as of the last list of
     /// writers: a replica that owns some partitions steps when the
     /// sequence has moved since, claims or not (see [`Tracker::own_due`]).
@@ -364,7 +357,6 @@ impl Tracker {
             cached: None,
             partitions: None,
             own: None,
-            owned: None,
             last_value: 0,
             listed_upto: 0,
         }
@@ -374,20 +366,8 @@ impl Tracker {
     /// are some and not all (all: it is the shared floor); a floor kept for
     /// another set is dropped at the next step that computes one.
     pub fn set_partitions(&mut self, partitions: &Arc<Vec<i16>>) {
-        if self
-            .owned
-            .as_ref()
-            .is_some_and(|o| Arc::ptr_eq(o, partitions))
-        {
-            return;
-        }
-        self.owned = Some(Arc::clone(partitions));
         let some = !partitions.is_empty() && partitions.len() < PARTITIONS as usize;
-        self.partitions = some.then(|| {
-            let mut sorted = Vec::clone(partitions);
-            sorted.sort_unstable();
-            Arc::new(sorted)
-        });
+        self.partitions = some.then(|| Arc::clone(partitions));
         if self.partitions.is_none() {
             self.own = None;
         }

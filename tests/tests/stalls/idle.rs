@@ -183,24 +183,24 @@ async fn a_look_sees_what_a_claim_would_take_and_locks_nothing() {
     // Waiting out a retry: not seen until its time comes, then seen even
     // below the floor (the due scan has no floor), but not when the
     // relay's own batch holds it.
-    db.client
-        .execute(
-            &format!("UPDATE {table} SET next_attempt_at = now() + interval '1 hour'"),
-            &[],
-        )
-        .await
-        .expect("wait");
+    let due_in = |interval: &'static str| {
+        let (client, table) = (&db.client, &table);
+        async move {
+            client
+                .execute(
+                    &format!("UPDATE {table} SET next_attempt_at = now() + interval '{interval}'"),
+                    &[],
+                )
+                .await
+                .expect("set the row's time");
+        }
+    };
+    due_in("1 hour").await;
     assert!(
         !look(all.clone(), 0, vec![]).await,
         "a row waiting out a retry was seen"
     );
-    db.client
-        .execute(
-            &format!("UPDATE {table} SET next_attempt_at = now() - interval '1 second'"),
-            &[],
-        )
-        .await
-        .expect("due");
+    due_in("-1 second").await;
     assert!(
         look(all.clone(), seq + 1, vec![]).await,
         "a due row was not seen"
