@@ -77,7 +77,7 @@ hz=$(getconf CLK_TCK)
 if [ -n "$stream_rate" ]; then
   start_relays
   sleep 3 # the replicas have taken their partitions
-  psql_test -c "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class; SELECT pg_sleep($stream_s + 60)" >/dev/null 2>&1 &
+  PGAPPNAME=hot-key-pin psql_test -c "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class; SELECT pg_sleep($stream_s + 60)" >/dev/null 2>&1 &
   pin=$!
   sleep 1
   fresh() { psql_test -c "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE schemaname = 'hotprobe' AND indexrelname = 'messages_fresh'"; }
@@ -96,7 +96,7 @@ if [ -n "$stream_rate" ]; then
   left=$(psql_test -c "SELECT count(*) FROM hotprobe.messages")
   kill -TERM "${pids[@]}"
   wait "${pids[@]}" || true
-  psql_test -c "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE query LIKE '%pg_sleep%' AND pid <> pg_backend_pid()" >/dev/null
+  psql_test -c "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE application_name = 'hot-key-pin'" >/dev/null
   wait "$pin" || true
   rm -f "$script" "$script.log"
   echo "replicas=$replicas rate=$stream_rate written=$written left=$left" \
