@@ -108,13 +108,18 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The seed for a test's random mix: `OUTBOX_TEST_SEED` to replay one, else
-/// a fresh one. Printed, so a failure's output says how to replay it.
+/// a fresh one, drawn once per test binary so that every draw of a run (the
+/// scenario's mix and the writers' workload, see [`workload`]) comes from
+/// it. Printed, so a failure's output says how to replay it.
 pub fn seed() -> u64 {
     use rand::Rng;
-    let seed = std::env::var("OUTBOX_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        std::env::var("OUTBOX_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| rand::rng().random())
+    });
     eprintln!("OUTBOX_TEST_SEED={seed}");
     seed
 }

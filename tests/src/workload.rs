@@ -88,13 +88,16 @@ pub fn spawn(db: &crate::db::TestDb, spec: Spec) -> tokio::task::JoinHandle<Writ
 
 /// Runs `spec` against `outbox` and returns what was written.
 pub async fn run(config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
+    // Each writer draws its keys, sizes, rollbacks and pauses from the
+    // run's seed, printed here so that a failure can be replayed.
+    let seed = crate::seed();
     let mut tasks = Vec::new();
     for w in 0..spec.writers {
         let config = config.clone();
         let outbox = outbox.clone();
         let spec = spec.clone();
         tasks.push(tokio::spawn(async move {
-            writer(w, &config, &outbox, &spec).await
+            writer(w, seed, &config, &outbox, &spec).await
         }));
     }
     let mut all = Written::default();
@@ -107,7 +110,9 @@ pub async fn run(config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
     all
 }
 
-async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
+async fn writer(w: usize, seed: u64, config: &Config, outbox: &Outbox, spec: &Spec) -> Written {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(w as u64));
     let mut client = crate::db::connect(config).await;
     let keys: Vec<String> = (0..spec.keys)
         .filter(|k| k % spec.writers == w)
@@ -119,7 +124,6 @@ async fn writer(w: usize, config: &Config, outbox: &Outbox, spec: &Spec) -> Writ
     let mut done = 0usize;
     while done < quota && !keys.is_empty() {
         let (key, n, rollback, delay) = {
-            let mut rng = rand::rng();
             let key = keys[rng.random_range(0..keys.len())].clone();
             let n = rng.random_range(1..=spec.max_per_tx).min(quota - done);
             let rollback = rng.random_range(0..100) < spec.rollback_percent;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use outbox_client::job_lock::{run_exclusive, Exclusive};
 use outbox_tests::db::TestDb;
 use outbox_tests::{eventually, unique};
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use tokio::process::Command;
 
 const WORKER_BIN: &str = env!("CARGO_BIN_EXE_consumer-defenses-worker");
@@ -202,12 +202,13 @@ async fn checkpointed_job_killed_at_random_points_applies_each_row_once() {
             .expect("spawn worker")
     };
 
+    let mut rng = rand::rngs::StdRng::seed_from_u64(outbox_tests::seed());
     let mut kills = 0;
     let mut last_target = 0i64;
     while kills < 5 {
         // Random points, spread over the run and rising, so each restart resumes
         // from a different place.
-        let target = last_target + rand::rng().random_range(2_000..18_000);
+        let target = last_target + rng.random_range(2_000..18_000);
         let mut child = spawn();
         let reached = eventually(PATIENCE, || async {
             job.position(&db.client)

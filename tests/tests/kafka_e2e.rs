@@ -291,8 +291,7 @@ async fn the_consumer_reads_every_record_the_broker_confirmed() {
     use rdkafka::producer::{FutureProducer, FutureRecord};
 
     outbox_tests::init_logging();
-    let seed: u64 = rand::rng().random();
-    println!("seed {seed}");
+    let seed = outbox_tests::seed();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let brokers = kafka_brokers();
     let kafka = Fixture::new(&brokers, 1).await;

@@ -32,7 +32,7 @@ fn untag(payload: &[u8]) -> (String, usize) {
 #[tokio::test]
 async fn a_paused_destination_waits_on_every_replica_and_resumes_in_key_order() {
     outbox_tests::init_logging();
-    let seed: u64 = rand::rng().random();
+    let seed = outbox_tests::seed();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let db = TestDb::new().await;
     let a = Fixture::new().await; // the destination to pause

@@ -9,7 +9,7 @@ use outbox_tests::eventually;
 use outbox_tests::process::RelayProcess;
 use outbox_tests::sink::Sink;
 use outbox_tests::workload::{self, Written};
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 
 use super::{env_for, scale, settle_within, spec, stop, BATCH, PATIENCE, PIPELINE, RELAY_BIN};
 
@@ -21,9 +21,10 @@ async fn kill_9_at_random_intervals(sink: Sink, messages: usize) {
     let env = env_for(&db, &sink, None);
     let writers = workload::spawn(&db, spec(&sink, scale(messages)));
     let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(outbox_tests::seed());
     let mut kills = 0;
     while !writers.is_finished() || (db.pending().await > 0 && kills < 60) {
-        let ms = rand::rng().random_range(200..2000);
+        let ms = rng.random_range(200..2000);
         tokio::time::sleep(Duration::from_millis(ms)).await;
         relay.kill9().await;
         kills += 1;
