@@ -359,6 +359,35 @@ async fn the_consumer_reads_every_record_the_broker_confirmed() {
     kafka.stop().await;
 }
 
+/// On a link that answers at once, a new producer's first batch does not
+/// wait for librdkafka's first statistics, which alone say that it has its
+/// id: they come a whole interval after the producer was created (500 ms
+/// by default, most of a new relay's start). Here the interval is ten
+/// minutes, so a batch that waited for them would come back unsent after
+/// half its 60 s; the one that takes the id as on its way goes out.
+#[tokio::test]
+async fn a_new_producer_on_a_quick_link_does_not_wait_for_its_first_statistics() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 1).await;
+    let publisher = KafkaPublisher::new(KafkaSettings {
+        brokers: brokers.clone(),
+        properties: vec![("statistics.interval.ms".into(), "600000".into())],
+        message_timeout: Duration::from_secs(120),
+    })
+    .expect("producer");
+    let batch = outbox_tests::envelopes(&kafka.topic, 10, 3);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let sent = publisher
+        .publish_until(&batch, deadline)
+        .await
+        .expect("the first batch went out before the first statistics");
+    assert!(sent.iter().all(Result::is_ok), "{sent:?}");
+    assert!(eventually(PATIENCE, || async { kafka.count() >= batch.len() }).await);
+    publisher.close().await;
+    kafka.stop().await;
+}
+
 /// A batch that must give up before the producer has its id and its
 /// topic's partitions hands librdkafka nothing: it comes back unsent, not
 /// timed out in librdkafka's queue, and the set-up goes on for the batches

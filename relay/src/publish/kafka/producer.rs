@@ -60,11 +60,17 @@ pub(super) struct KafkaProducer {
 impl KafkaProducer {
     pub(super) fn new(config: &ClientConfig) -> Result<Self, KafkaError> {
         // Statistics carry the idempotence state the set-up waits for,
-        // unless the operator turned them off.
-        let statistics = config
-            .get("statistics.interval.ms")
-            .is_none_or(|ms| ms.trim() != "0");
-        let setup = SetUp::new(statistics);
+        // unless the operator turned them off (0).
+        let ms = |key: &str| {
+            config
+                .get(key)
+                .and_then(|ms| ms.trim().parse().ok())
+                .map(Duration::from_millis)
+        };
+        let setup = SetUp::new(
+            ms("statistics.interval.ms").unwrap_or(super::setup::STATISTICS_INTERVAL),
+            ms("message.timeout.ms").unwrap_or(Duration::from_secs(300)),
+        );
         let context = Deliveries {
             setup: Arc::clone(&setup),
         };

@@ -14,6 +14,20 @@
 //! and knows their topics. Getting them goes on apart from any batch: a
 //! batch that cannot wait longer gives its rows back unsent, and the next
 //! batch finds the set-up further along.
+//!
+//! The id shows only in librdkafka's statistics, the first of which comes
+//! a whole interval after the producer is created, however soon the id
+//! came. On a link that answers at once that wait was most of a new
+//! relay's start: its first Kafka batch settled about 500 ms after start,
+//! against about 50 ms to a broker answering at once. librdkafka asks for
+//! the id as soon as it has a connection to a broker, which an answer
+//! about the topics' partitions shows it has. So while a new producer has
+//! not yet reported any statistics, a set-up that got its topics'
+//! partitions within [`SetUp::quick`] of the producer's creation is taken
+//! as a link fast enough for the id to follow within a round trip: the
+//! records wait for it in librdkafka's queue, a small part of their
+//! message timeout. Any later wait for an id (a slower set-up, an epoch
+//! bump) is waited out as the statistics show it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -41,6 +55,13 @@ pub(super) struct Missing {
 pub(super) struct SetUp {
     state: Mutex<State>,
     changed: Notify,
+    /// When the producer was created.
+    created: Instant,
+    /// How soon after the producer's creation its topics must be known for
+    /// its id not to be waited for before its first statistics (see the
+    /// module's documentation): the smaller of the statistics interval and
+    /// a tenth of the message timeout.
+    quick: Duration,
 }
 
 struct State {
@@ -48,6 +69,8 @@ struct State {
     /// was created, or since librdkafka's statistics last showed it
     /// drained for a new epoch. `None` while it has one.
     without_id_since: Option<Instant>,
+    /// Whether librdkafka has reported the idempotence state yet.
+    reported: bool,
     /// Topics whose metadata the broker has answered for, with their
     /// partition counts.
     known: HashMap<String, i32>,
@@ -59,17 +82,22 @@ struct State {
 }
 
 impl SetUp {
-    /// A new producer's set-up. Without statistics (`statistics.interval.ms`
-    /// set to 0) its idempotence state cannot be seen and is not waited for.
-    pub(super) fn new(statistics: bool) -> Arc<SetUp> {
+    /// A new producer's set-up, given its `statistics.interval.ms` and
+    /// `message.timeout.ms`. Without statistics (an interval of 0) its
+    /// idempotence state cannot be seen and is not waited for.
+    pub(super) fn new(statistics: Duration, message_timeout: Duration) -> Arc<SetUp> {
+        let now = Instant::now();
         Arc::new(SetUp {
             state: Mutex::new(State {
-                without_id_since: statistics.then(Instant::now),
+                without_id_since: (!statistics.is_zero()).then_some(now),
+                reported: false,
                 known: HashMap::new(),
                 absent: HashSet::new(),
                 asking: Vec::new(),
             }),
             changed: Notify::new(),
+            created: now,
+            quick: statistics.min(message_timeout / 10),
         })
     }
 
@@ -84,6 +112,7 @@ impl SetUp {
         };
         let assigned = state == "Assigned";
         let mut s = self.state();
+        s.reported = true;
         let changed = match (&s.without_id_since, assigned) {
             (Some(_), true) => {
                 s.without_id_since = None;
@@ -140,10 +169,7 @@ impl SetUp {
         ask_absent: bool,
     ) -> Option<Missing> {
         let mut s = self.state();
-        let mut missing: Option<Missing> = s.without_id_since.map(|since| Missing {
-            what: "a producer id".into(),
-            since,
-        });
+        let mut missing: Option<Missing> = None;
         for topic in topics {
             if s.known.contains_key(topic) {
                 continue;
@@ -179,7 +205,22 @@ impl SetUp {
                 }
             }
         }
-        missing
+        // The id, unless the topics came quickly enough to take it as on
+        // its way (see the module's documentation).
+        let id_on_its_way = missing.is_none() && !s.reported && self.created.elapsed() < self.quick;
+        match s.without_id_since {
+            Some(since) if !id_on_its_way => Some(match missing {
+                Some(m) => Missing {
+                    what: format!("a producer id, {}", m.what),
+                    since: since.min(m.since),
+                },
+                None => Missing {
+                    what: "a producer id".into(),
+                    since,
+                },
+            }),
+            _ => missing,
+        }
     }
 
     /// Those of `topics` that the broker said do not exist when last asked.
@@ -266,7 +307,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_statistics_tell_when_the_producer_has_its_id() {
-        let setup = SetUp::new(true);
+        let setup = SetUp::new(STATISTICS_INTERVAL, Duration::from_secs(30));
         assert!(setup.state().without_id_since.is_some());
         setup.statistics(br#"{"eos": { "idemp_state": "WaitPID" }}"#);
         assert!(setup.state().without_id_since.is_some());
@@ -278,6 +319,55 @@ mod tests {
         // Statistics without the state change nothing.
         setup.statistics(br#"{"name": "p"}"#);
         assert!(setup.state().without_id_since.is_some());
-        assert!(SetUp::new(false).state().without_id_since.is_none());
+        assert!(SetUp::new(Duration::ZERO, Duration::from_secs(30))
+            .state()
+            .without_id_since
+            .is_none());
+    }
+
+    /// A producer with no broker behind it, whose set-up is told its
+    /// topics' partitions by the test.
+    fn producer(message_timeout: Duration) -> super::super::producer::KafkaProducer {
+        let config = super::super::KafkaSettings {
+            brokers: "127.0.0.1:9".into(),
+            properties: Vec::new(),
+            message_timeout,
+        }
+        .client_config();
+        super::super::producer::KafkaProducer::new(&config).expect("producer")
+    }
+
+    fn missing(p: &super::super::producer::KafkaProducer) -> Option<String> {
+        p.setup
+            .missing(&p.inner, ["t"].into_iter(), Duration::from_secs(1), true)
+            .map(|m| m.what)
+    }
+
+    #[tokio::test]
+    async fn topics_known_before_the_first_statistics_do_not_wait_for_them() {
+        let p = producer(Duration::from_secs(30));
+        p.setup.state().known.insert("t".into(), 3);
+        // Known well within a tenth of the message timeout and before any
+        // statistics: the id is taken as on its way.
+        assert_eq!(missing(&p), None);
+        // Once the statistics have shown the producer without its id, it
+        // is waited for, as after an epoch bump.
+        p.setup
+            .statistics(br#"{"eos": { "idemp_state": "WaitPID" }}"#);
+        assert_eq!(missing(&p).as_deref(), Some("a producer id"));
+        p.setup
+            .statistics(br#"{"eos": { "idemp_state": "Assigned" }}"#);
+        assert_eq!(missing(&p), None);
+    }
+
+    #[tokio::test]
+    async fn topics_known_late_wait_for_the_id_in_the_statistics() {
+        // A message timeout of 20 ms gives 2 ms for the topics: a set-up
+        // that took longer is on a link too slow to hand records over
+        // before the id.
+        let p = producer(Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        p.setup.state().known.insert("t".into(), 3);
+        assert_eq!(missing(&p).as_deref(), Some("a producer id"));
     }
 }
