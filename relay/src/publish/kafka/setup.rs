@@ -326,11 +326,18 @@ mod tests {
     }
 
     /// A producer with no broker behind it, whose set-up is told its
-    /// topics' partitions by the test.
-    fn producer(message_timeout: Duration) -> super::super::producer::KafkaProducer {
+    /// topics' partitions by the test, with librdkafka's statistics every
+    /// `statistics` (the test gives the ones that matter itself).
+    fn producer(
+        statistics: Duration,
+        message_timeout: Duration,
+    ) -> super::super::producer::KafkaProducer {
         let config = super::super::KafkaSettings {
             brokers: "127.0.0.1:9".into(),
-            properties: Vec::new(),
+            properties: vec![(
+                "statistics.interval.ms".into(),
+                statistics.as_millis().to_string(),
+            )],
             message_timeout,
         }
         .client_config();
@@ -345,7 +352,9 @@ mod tests {
 
     #[tokio::test]
     async fn topics_known_before_the_first_statistics_do_not_wait_for_them() {
-        let p = producer(Duration::from_secs(30));
+        // A minute for the topics, so that a slow machine cannot make the
+        // test's own set-up late.
+        let p = producer(Duration::from_secs(600), Duration::from_secs(600));
         p.setup.state().known.insert("t".into(), 3);
         // Known well within a tenth of the message timeout and before any
         // statistics: the id is taken as on its way.
@@ -365,7 +374,7 @@ mod tests {
         // A message timeout of 20 ms gives 2 ms for the topics: a set-up
         // that took longer is on a link too slow to hand records over
         // before the id.
-        let p = producer(Duration::from_millis(20));
+        let p = producer(STATISTICS_INTERVAL, Duration::from_millis(20));
         tokio::time::sleep(Duration::from_millis(10)).await;
         p.setup.state().known.insert("t".into(), 3);
         assert_eq!(missing(&p).as_deref(), Some("a producer id"));
