@@ -50,6 +50,9 @@ struct Broker {
     /// When it last failed a batch as a whole, unless a batch went through
     /// since.
     failed_batch_at: Option<Instant>,
+    /// Since when every batch and every probe has failed: unlike `down`,
+    /// ended by the first probe that gets an answer.
+    unanswering_since: Option<Instant>,
 }
 
 /// Something that happened to messages or batches, for [`Stats::count`].
@@ -116,6 +119,7 @@ impl Stats {
     pub(crate) fn note_batch(&self, error: Option<&PublishError>) {
         let mut broker = self.broker();
         broker.failed_batch_at = error.map(|_| Instant::now());
+        Self::note_answer(&mut broker, error);
         Self::note_broker(&mut broker, error);
     }
 
@@ -129,12 +133,28 @@ impl Stats {
     /// that goes through reports it back at once.
     pub fn note_broker_probe(&self, error: Option<&PublishError>, quiet: Duration) {
         let mut broker = self.broker();
+        Self::note_answer(&mut broker, error);
         let failing = broker
             .failed_batch_at
             .is_some_and(|at| at.elapsed() < quiet);
         if error.is_some() || !failing {
             Self::note_broker(&mut broker, error);
         }
+    }
+
+    fn note_answer(broker: &mut Broker, error: Option<&PublishError>) {
+        broker.unanswering_since = match error {
+            Some(_) => broker.unanswering_since.or_else(|| Some(Instant::now())),
+            None => None,
+        };
+    }
+
+    /// For how long every batch and probe has failed, if the latest did: a
+    /// broker this replica cannot reach now, as opposed to one that
+    /// [`Stats::broker_down`] still reports down while it proves itself
+    /// back.
+    pub fn broker_unanswering_for(&self) -> Option<Duration> {
+        self.broker().unanswering_since.map(|at| at.elapsed())
     }
 
     fn broker(&self) -> std::sync::MutexGuard<'_, Broker> {
@@ -218,6 +238,7 @@ impl source::ownership::ReplicaReport for Stats {
             in_flight: self.in_flight(),
             published: self.counted(Event::Published),
             broker_down: self.broker_down(),
+            broker_unanswering_for: self.broker_unanswering_for(),
             silent_partitions: self
                 .silent
                 .lock()
@@ -267,6 +288,30 @@ mod tests {
         assert!(since(&stats).is_some());
         stats.note_broker_probe(None, QUIET);
         assert_eq!(since(&stats), None);
+    }
+
+    #[test]
+    fn the_first_answer_ends_unanswering_while_down_waits_for_quiet() {
+        let stats = Stats::default();
+        assert_eq!(stats.broker_unanswering_for(), None);
+        stats.note_batch(Some(&refused()));
+        stats.note_broker_probe(Some(&refused()), QUIET);
+        let first = stats.broker_unanswering_for().expect("unanswering");
+        stats.note_broker_probe(Some(&refused()), QUIET);
+        assert!(
+            stats.broker_unanswering_for().expect("still unanswering") >= first,
+            "timed from the first failure"
+        );
+        // A probe that gets an answer: the broker answers this replica
+        // again, though it still counts as down until no batch has failed
+        // for QUIET.
+        stats.note_broker_probe(None, QUIET);
+        assert_eq!(stats.broker_unanswering_for(), None);
+        assert!(since(&stats).is_some(), "down until quiet");
+        stats.note_batch(Some(&refused()));
+        assert!(stats.broker_unanswering_for().is_some());
+        stats.note_batch(None);
+        assert_eq!(stats.broker_unanswering_for(), None);
     }
 
     #[test]

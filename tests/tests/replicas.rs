@@ -212,6 +212,165 @@ async fn a_killed_replicas_partitions_are_taken_over() {
     db.cleanup().await;
 }
 
+/// A replica that cannot reach the broker while another can (a network
+/// policy, a node's broken route, one sidecar's bad certificate) steps
+/// aside: its partitions go to the replica that reaches the broker, and
+/// every row is delivered, in key order, with no copies (the cut-off
+/// replica never reached the broker). Until it did, the cut-off replica
+/// kept its share of the partitions, and their rows waited for as long as
+/// its broker stayed away.
+#[tokio::test]
+async fn a_replica_cut_off_from_the_broker_steps_aside() {
+    let started = std::time::Instant::now();
+    outbox_tests::init_logging();
+    let sink = Sink::amqp().await;
+    let db = TestDb::new().await;
+    let mut env = replica_env(&db);
+    env.extend(sink.relay_env(None));
+    // Nothing listens on port 1: every connection is refused at once.
+    let mut cut_off = replica_env(&db);
+    cut_off.extend(sink.relay_env(Some("127.0.0.1:1")));
+    let mut reaches = RelayProcess::start(RELAY_BIN, &env);
+    let mut cut = RelayProcess::start(RELAY_BIN, &cut_off);
+    let spec = Spec::new(sink.destination(), 4, 200, 3_000);
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+    // `status` lists the cut-off replica as stepped aside, owning nothing,
+    // and the other owning every partition.
+    wait_standings(&db, &[(false, 64), (true, 0)], "the cut-off replica").await;
+    let report = sink.settle(&db, &written, PATIENCE).await;
+    outbox_tests::check::judge(
+        TMP,
+        &format!("{}: 2 replicas, one cut off from the broker", sink.broker()),
+        &report,
+        started,
+        Some(0),
+    );
+    for r in [&mut reaches, &mut cut] {
+        r.signal("TERM").await;
+        assert_eq!(r.wait().await, Some(0));
+    }
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
+/// Each replica `status` lists: whether it stepped aside, and how many
+/// partitions it owns.
+async fn standings(db: &TestDb) -> Vec<(bool, usize)> {
+    let v = outbox_relay::ops::status(&db.client, &db.schema)
+        .await
+        .expect("status");
+    let mut all: Vec<(bool, usize)> = v
+        .replicas
+        .iter()
+        .map(|r| (r.stepped_aside, r.partitions.len()))
+        .collect();
+    all.sort_unstable();
+    all
+}
+
+/// Waits until `status` lists `want` (sorted), or panics with what it
+/// last listed.
+async fn wait_standings(db: &TestDb, want: &[(bool, usize)], what: &str) {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let now = standings(db).await;
+        if now == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: (stepped aside, partitions) {now:?}, wanted {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The other half of stepping aside: a replica whose broker answers again
+/// comes back and takes its share; a broker outage for every replica moves
+/// no one aside (all would, and none would be left to notice the broker
+/// back first); nor does its end, when one replica's batch goes through
+/// before the other has asked its broker again. Rows written during the
+/// outage are all delivered once it ends.
+#[tokio::test]
+async fn a_replica_back_in_touch_returns_and_an_outage_for_all_moves_no_one() {
+    use outbox_tests::proxy::{Mode, Proxy};
+    let started = std::time::Instant::now();
+    outbox_tests::init_logging();
+    let sink = Sink::amqp().await;
+    let db = TestDb::new().await;
+    let links = [
+        Proxy::start("127.0.0.1:5672").await,
+        Proxy::start("127.0.0.1:5672").await,
+    ];
+    let mut replicas: Vec<RelayProcess> = links
+        .iter()
+        .map(|link| {
+            let mut env = replica_env(&db);
+            env.extend(sink.relay_env(Some(&format!("127.0.0.1:{}", link.port))));
+            RelayProcess::start(RELAY_BIN, &env)
+        })
+        .collect();
+    let balanced = [(false, 32), (false, 32)];
+    wait_standings(&db, &balanced, "two replicas never balanced").await;
+
+    links[1].set(Mode::Refuse);
+    wait_standings(&db, &[(false, 64), (true, 0)], "the cut-off replica").await;
+    links[1].set(Mode::Pass);
+    wait_standings(&db, &balanced, "the replica back in touch").await;
+
+    // Both cut off for six times as long as one needs to step aside
+    // (twice the lease of 2 s): neither may.
+    for link in &links {
+        link.set(Mode::Refuse);
+    }
+    let writing = workload::spawn(&db, Spec::new(sink.destination(), 4, 200, 1_000));
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(24) {
+        let now = standings(&db).await;
+        assert!(
+            now.iter().all(|(aside, _)| !aside),
+            "a replica stepped aside in an outage for all: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let written = writing.await.expect("writers");
+    assert!(
+        db.pending().await > 0,
+        "rows were published during the outage"
+    );
+    for link in &links {
+        link.set(Mode::Pass);
+    }
+    // Whichever replica gets a batch through first, the other has its
+    // broker answer within a probe's round and stays.
+    let back = Instant::now();
+    while back.elapsed() < Duration::from_secs(12) {
+        let now = standings(&db).await;
+        assert!(
+            now.iter().all(|(aside, _)| !aside),
+            "a replica stepped aside as the outage ended: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = sink.settle(&db, &written, PATIENCE).await;
+    outbox_tests::check::judge(
+        TMP,
+        &format!(
+            "{}: 2 replicas, one cut off and back, then an outage for both",
+            sink.broker()
+        ),
+        &report,
+        started,
+        Some(0),
+    );
+    for r in &mut replicas {
+        r.signal("TERM").await;
+        assert_eq!(r.wait().await, Some(0));
+    }
+    sink.cleanup().await;
+    db.cleanup().await;
+}
+
 /// A relay whose ownership task ends (here a panic at its third heartbeat,
 /// standing in for any bug) owns no partitions from then on: run on, it
 /// would claim nothing, and its workers, woken at once by the closed

@@ -98,6 +98,13 @@ pub(super) fn status_text(v: &Status) -> String {
             shown(r.published),
             human_age(r.heartbeat_age_s),
         );
+        if r.stepped_aside {
+            let _ = writeln!(
+                o,
+                "    stepped aside: its broker is unreachable while another replica's is not; \
+                 its partitions went to the others until its broker answers again"
+            );
+        }
     }
     if v.blockers.is_empty() {
         let _ = writeln!(o, "holding back: nothing");

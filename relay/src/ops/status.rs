@@ -132,6 +132,10 @@ pub struct Replica {
     /// Broker partitions that leave its records unanswered while the rest
     /// answers.
     pub silent_partitions: Vec<SilentPartition>,
+    /// It stepped aside: its broker unreachable while another replica's
+    /// is not, it owns no partitions and counts for no share until its
+    /// broker answers again.
+    pub stepped_aside: bool,
     /// The partitions it owns.
     pub partitions: Vec<i32>,
     /// Since when it owns them.
@@ -312,8 +316,8 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
         .query(
             &format!(
                 "WITH present AS ( \
-                    SELECT objid::int AS slot, pid FROM pg_locks \
-                    WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $1), \
+                    SELECT objid::int AS slot, pid, classid::int8 = $3 AS aside FROM pg_locks \
+                    WHERE {ADVISORY_HELD_HERE} AND classid::int8 IN ($1, $3)), \
                  owned AS ( \
                     SELECT pid, array_agg(objid::int ORDER BY objid) AS parts FROM pg_locks \
                     WHERE {ADVISORY_HELD_HERE} AND classid::int8 = $2 \
@@ -321,11 +325,15 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
                  SELECT p.slot, r.host, r.pid, r.started_at, r.seen_at, r.in_flight, r.published, \
                         r.broker_down_since, r.broker_error, coalesce(o.parts, '{{}}'), \
                         (SELECT min(since) FROM {s}.partition_owners po WHERE po.slot = p.slot), \
-                        to_jsonb(r) -> 'silent_partitions' \
+                        to_jsonb(r) -> 'silent_partitions', p.aside \
                  FROM present p LEFT JOIN {s}.replicas r ON r.slot = p.slot \
                  LEFT JOIN owned o ON o.pid = p.pid ORDER BY r.started_at"
             ),
-            &[&i64::from(keys.presence), &i64::from(keys.partitions)],
+            &[
+                &i64::from(keys.presence),
+                &i64::from(keys.partitions),
+                &i64::from(keys.aside),
+            ],
         )
         .await?
         .iter()
@@ -348,6 +356,7 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
                 .get::<_, Option<serde_json::Value>>(11)
                 .and_then(|v| serde_json::from_value(v).ok())
                 .unwrap_or_default(),
+            stepped_aside: r.get(12),
             partitions: r.get(9),
             owning_since: at(r.get(10)),
             owning_since_age_s: age_secs(r.get(10)),

@@ -12,6 +12,15 @@
 //! its share (64 / replicas, the lowest slots taking the remainder), and
 //! releases any beyond it, so ownership converges as replicas join and leave.
 //!
+//! A replica whose broker has failed every batch and probe for twice the
+//! lease (at least [`ASIDE_AT_LEAST`]), while another present replica has
+//! reached its own for as long, steps aside: it releases its
+//! partitions and its presence, so that every replica (one a version behind
+//! too) counts it out and the rest take its share. It keeps its heartbeat
+//! and its readiness, and comes back once its broker answers again, or once
+//! no present replica reaches a broker either (an outage for everyone, where
+//! stepping aside would only stop the replica that recovers first).
+//!
 //! Ownership only spreads the work. Correctness does not depend on it: row locks
 //! keep two replicas from publishing one row at the same time, and the claim's
 //! head-of-key rule keeps per-key order, even while ownership changes hands.
@@ -29,6 +38,13 @@ use super::{answered, Database, PgFault};
 
 /// The least time a step of the ownership session may go unanswered.
 const MIN_BOUND: Duration = Duration::from_secs(5);
+
+/// The least time a replica's broker fails it, while another's answers,
+/// before it steps aside. Longer than two rounds of the broker probe (every
+/// 2 s): when an outage for all ends and another replica's batch goes
+/// through first, this replica has asked its own broker again before it
+/// could step aside.
+const ASIDE_AT_LEAST: Duration = Duration::from_secs(5);
 use tokio_util::sync::CancellationToken;
 
 use crate::supervise::supervise;
@@ -51,6 +67,9 @@ pub struct LockKeys {
     pub partitions: i32,
     /// Key for presence locks: `(presence, slot)`.
     pub presence: i32,
+    /// Key held by a replica that stepped aside: `(aside, slot)`, in place
+    /// of its presence, so that `status` can list it.
+    pub aside: i32,
 }
 
 impl LockKeys {
@@ -63,13 +82,15 @@ impl LockKeys {
         let row = client
             .query_one(
                 "SELECT hashtext('outbox-partitions:' || $1) & 2147483647, \
-                        hashtext('outbox-replicas:' || $1) & 2147483647",
+                        hashtext('outbox-replicas:' || $1) & 2147483647, \
+                        hashtext('outbox-aside:' || $1) & 2147483647",
                 &[&schema.as_str()],
             )
             .await?;
         Ok(LockKeys {
             partitions: row.get(0),
             presence: row.get(1),
+            aside: row.get(2),
         })
     }
 }
@@ -95,6 +116,9 @@ pub struct Heartbeat {
     pub published: u64,
     /// Since when the broker has been unreachable, and why.
     pub broker_down: Option<(std::time::SystemTime, String)>,
+    /// For how long every batch and broker probe has failed, if the latest
+    /// did.
+    pub broker_unanswering_for: Option<Duration>,
     /// The broker's partitions that leave records unanswered while the rest
     /// answers: topic, partition, and since when.
     pub silent_partitions: Vec<(String, i32, std::time::SystemTime)>,
@@ -166,7 +190,12 @@ async fn own(
         .await?;
 
     let tick = settings.lease / 5;
-    let mut mine: Vec<i16> = Vec::new();
+    let mut standing = Standing {
+        mine: Vec::new(),
+        aside: false,
+        aside_after: (settings.lease * 2).max(ASIDE_AT_LEAST),
+        others_reach_since: None,
+    };
     let mut interval = tokio::time::interval(tick.max(Duration::from_millis(20)));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -182,7 +211,15 @@ async fn own(
                 .map(|_| ());
         }
         let beat = report.heartbeat();
-        let step = heartbeat(&client, &keys, slot, &statements, &owners, beat, &mut mine);
+        let step = heartbeat(
+            &client,
+            &keys,
+            slot,
+            &statements,
+            &owners,
+            beat,
+            &mut standing,
+        );
         // A heartbeat's commit may wait for a missing synchronous standby
         // for as long as it stays away; shutdown does not wait with it.
         let stepped = tokio::select! {
@@ -260,12 +297,28 @@ async fn register(
     Ok((keys, slot))
 }
 
+/// This replica's place in the replica set, kept from one heartbeat to the
+/// next.
+struct Standing {
+    /// The partitions it holds.
+    mine: Vec<i16>,
+    /// It stepped aside: it holds neither partitions nor its presence.
+    aside: bool,
+    /// How long its broker fails it, while another replica's answers,
+    /// before it steps aside.
+    aside_after: Duration,
+    /// Since when another present replica has reported its broker
+    /// reachable, heartbeat after heartbeat.
+    others_reach_since: Option<std::time::Instant>,
+}
+
 /// What every heartbeat runs, prepared once per session: each heartbeat
 /// sends the three together, in one round trip.
 struct BeatStatements {
     /// Records the heartbeat's figures (see [`beat_statement`]).
     update: Statement,
-    /// Every replica present, by slot.
+    /// Every replica present, by slot, and those of them whose latest
+    /// heartbeat reported their broker reachable.
     present: Statement,
     /// How many partitions any replica owns.
     owned: Statement,
@@ -282,10 +335,17 @@ impl BeatStatements {
             .await?;
         // The lock keys are the schema's, fixed for the session: written
         // into the text, they leave no parameter to type.
+        // A replica registering has no row yet: it counts as reaching its
+        // broker until its first heartbeat says otherwise.
         let present = client
             .prepare(&format!(
-                "SELECT coalesce(array_agg(objid::int ORDER BY objid), '{{}}') FROM pg_locks \
-                 WHERE {ADVISORY_HELD_HERE} AND classid::int8 = {}",
+                "WITH present AS ( \
+                   SELECT objid::int AS slot FROM pg_locks \
+                   WHERE {ADVISORY_HELD_HERE} AND classid::int8 = {}) \
+                 SELECT coalesce(array_agg(p.slot ORDER BY p.slot), '{{}}'), \
+                        coalesce(array_agg(p.slot ORDER BY p.slot) \
+                                 FILTER (WHERE r.broker_down_since IS NULL), '{{}}') \
+                 FROM present p LEFT JOIN {replicas} r ON r.slot = p.slot",
                 i64::from(keys.presence)
             ))
             .await?;
@@ -331,8 +391,9 @@ async fn beat_statement(client: &Client, replicas: &str) -> Result<String, tokio
 }
 
 /// One heartbeat: records this replica's figures (by `update`, from
-/// [`beat_statement`]), then takes or releases partitions toward its share.
-/// The partitions it owns, if they changed.
+/// [`beat_statement`]), steps aside or back (see the module's notes), then
+/// takes or releases partitions toward its share. The partitions it owns,
+/// if they changed.
 async fn heartbeat(
     client: &Client,
     keys: &LockKeys,
@@ -340,8 +401,9 @@ async fn heartbeat(
     statements: &BeatStatements,
     owners: &str,
     beat: Heartbeat,
-    mine: &mut Vec<i16>,
+    standing: &mut Standing,
 ) -> Result<Option<Vec<i16>>, tokio_postgres::Error> {
+    let unanswering = beat.broker_unanswering_for;
     let (down_since, down_error) = match beat.broker_down {
         Some((since, e)) => (Some(since), Some(e)),
         None => (None, None),
@@ -377,8 +439,79 @@ async fn heartbeat(
         client.query_one(&statements.present, &[]),
         client.query_one(&statements.owned, &[]),
     )?;
-    let slots: Vec<i32> = present.try_get(0)?;
+    let mut slots: Vec<i32> = present.try_get(0)?;
+    let reaching: Vec<i32> = present.try_get(1)?;
     let mut owned_by_anyone: i64 = owned.try_get(0)?;
+    // Another present replica reaches its broker (one stepped aside is not
+    // present).
+    let others_reach = reaching.iter().any(|s| *s != slot);
+    standing.others_reach_since = match others_reach {
+        true => standing
+            .others_reach_since
+            .or_else(|| Some(std::time::Instant::now())),
+        false => None,
+    };
+    let others_reached_long = standing
+        .others_reach_since
+        .is_some_and(|since| since.elapsed() >= standing.aside_after);
+    let mine = &mut standing.mine;
+    if standing.aside {
+        if unanswering.is_some() && others_reach {
+            return Ok(None);
+        }
+        let back: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock($1, $2)",
+                &[&keys.presence, &slot],
+            )
+            .await?
+            .get(0);
+        if back {
+            client
+                .execute("SELECT pg_advisory_unlock($1, $2)", &[&keys.aside, &slot])
+                .await?;
+        } else {
+            // Its slot was taken while it stood aside (a new replica drew
+            // the same number out of 2^31): the others keep its share.
+            tracing::warn!(slot, "cannot take this replica's slot back; staying aside");
+            return Ok(None);
+        }
+        standing.aside = false;
+        slots.push(slot);
+        slots.sort_unstable();
+        tracing::info!(
+            slot,
+            "back in the replica set: {}",
+            if unanswering.is_none() {
+                "the broker answers again"
+            } else {
+                "no other replica reaches a broker either"
+            }
+        );
+    } else if unanswering.is_some_and(|d| d >= standing.aside_after) && others_reached_long {
+        let partitions: Vec<i32> = mine.drain(..).map(i32::from).collect();
+        client
+            .execute(
+                "SELECT pg_advisory_unlock($1, p) FROM unnest($2::int4[]) AS p",
+                &[&keys.partitions, &partitions],
+            )
+            .await?;
+        client
+            .execute(
+                "SELECT pg_try_advisory_lock($2, $3), pg_advisory_unlock($1, $3)",
+                &[&keys.presence, &keys.aside, &slot],
+            )
+            .await?;
+        standing.aside = true;
+        metrics::gauge!(crate::metrics::PARTITIONS_OWNED).set(0.0);
+        tracing::warn!(
+            slot,
+            released = partitions.len(),
+            unanswering_for = ?unanswering.unwrap_or_default(),
+            "broker unreachable while another replica reaches it; stepping aside, its partitions go to the others"
+        );
+        return Ok(Some(Vec::new()));
+    }
     let present = slots.len().max(1);
     let rank = slots.iter().position(|s| *s == slot).unwrap_or(0);
     let share = PARTITIONS as usize / present + usize::from(rank < PARTITIONS as usize % present);
