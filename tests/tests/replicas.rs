@@ -219,11 +219,9 @@ async fn a_killed_replicas_partitions_are_taken_over() {
 /// replica never reached the broker). Until it did, the cut-off replica
 /// kept its share of the partitions, and their rows waited for as long as
 /// its broker stayed away.
-#[tokio::test]
-async fn a_replica_cut_off_from_the_broker_steps_aside() {
+async fn cut_off_steps_aside(sink: Sink) {
     let started = std::time::Instant::now();
     outbox_tests::init_logging();
-    let sink = Sink::amqp().await;
     let db = TestDb::new().await;
     let mut env = replica_env(&db);
     env.extend(sink.relay_env(None));
@@ -369,6 +367,16 @@ async fn a_replica_back_in_touch_returns_and_an_outage_for_all_moves_no_one() {
     }
     sink.cleanup().await;
     db.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_replica_cut_off_from_the_broker_steps_aside() {
+    cut_off_steps_aside(Sink::amqp().await).await;
+}
+
+#[tokio::test]
+async fn kafka_a_replica_cut_off_from_the_broker_steps_aside() {
+    cut_off_steps_aside(Sink::kafka(&outbox_tests::kafka_brokers()).await).await;
 }
 
 /// A relay whose ownership task ends (here a panic at its third heartbeat,
