@@ -369,3 +369,76 @@ async fn rows_updated(db: &TestDb) -> i64 {
         .expect("table statistics")
         .get(0)
 }
+
+/// The relay's lapin threads (one per connection, and one per connection
+/// attempt under way).
+fn lapin_threads(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with("lapin-io-loop"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// A broker link that accepts connections and never answers (a black hole,
+/// a proxy whose backend is gone): every connection attempt runs into its
+/// 10 s timeout. Each attempt used to leave its lapin thread and socket
+/// behind for the life of the process, and the set-up tasks of the
+/// batches and probes that had stopped waiting queued one attempt after
+/// another, so SIGTERM waited minutes for them (208 s seen). Rows written
+/// meanwhile are all delivered once the link answers.
+#[tokio::test]
+async fn connection_attempts_into_a_black_hole_leave_nothing_behind() {
+    use outbox_tests::process::RelayProcess;
+    use outbox_tests::proxy::{Mode, Proxy};
+    const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+    outbox_tests::init_logging();
+    let started = std::time::Instant::now();
+    let db = TestDb::new().await;
+    let sink = Sink::amqp().await;
+    let link = Proxy::start("127.0.0.1:5672").await;
+    link.set(Mode::BlackHole);
+    let mut env = vec![("OUTBOX_SCHEMA", db.schema.to_string())];
+    env.extend(sink.relay_env(Some(&format!("127.0.0.1:{}", link.port))));
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let written = workload::run(
+        &db.config,
+        &db.outbox(),
+        &Spec::new(sink.destination(), 2, 20, 300),
+    )
+    .await;
+    // Past four connect timeouts.
+    tokio::time::sleep(Duration::from_secs(45)).await;
+    let attempts = link.accepted();
+    let threads = lapin_threads(relay.pid());
+    assert!(attempts >= 4, "only {attempts} connection attempts");
+    // The attempt under way, and one whose thread is ending.
+    assert!(
+        threads <= 2,
+        "{threads} lapin threads after {attempts} connection attempts"
+    );
+    relay.signal("TERM").await;
+    let stopped = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    assert_eq!(stopped, Ok(Some(0)), "SIGTERM did not stop the relay");
+
+    link.set(Mode::Pass);
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let report = sink.settle(&db, &written, Duration::from_secs(120)).await;
+    judge(
+        env!("CARGO_TARGET_TMPDIR"),
+        "amqp: connection attempts into a black hole, then delivered",
+        &report,
+        started,
+        Some(0),
+    );
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0));
+    sink.cleanup().await;
+    db.cleanup().await;
+}

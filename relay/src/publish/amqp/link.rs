@@ -40,6 +40,8 @@ pub(super) struct Broker {
     pub(super) settings: AmqpSettings,
     link: Mutex<Option<Link>>,
     exchanges_seen: Mutex<HashMap<String, Instant>>,
+    /// When the latest connection attempt failed, and why.
+    failed: std::sync::Mutex<Option<(Instant, String)>>,
 }
 
 /// What a batch needs before it sends: the connection, the exchanges of its
@@ -56,6 +58,7 @@ impl Broker {
             settings,
             link: Mutex::new(None),
             exchanges_seen: Mutex::new(HashMap::new()),
+            failed: std::sync::Mutex::new(None),
         }
     }
 
@@ -134,16 +137,36 @@ impl Broker {
     }
 
     async fn connect(&self) -> Result<Link, PublishError> {
+        // lapin connects on a thread of its own, which waits for the
+        // broker's first frame with no deadline: a connection accepted and
+        // never answered (a black-holed link, a proxy whose backend is gone)
+        // kept that thread and its socket for the process's life, one more
+        // at every attempt. A copy of the socket, kept here, lets a timed-out
+        // attempt shut it down, which ends the thread.
+        let socket = Arc::new(std::sync::Mutex::new(None::<std::os::fd::OwnedFd>));
         let connect = async {
+            let uri: lapin::uri::AMQPUri = self
+                .settings
+                .url
+                .parse()
+                .map_err(|e: String| lapin::Error::from(std::io::Error::other(e)))?;
             let tls = OwnedTLSConfig {
                 identity: None,
                 cert_chain: self.settings.ca_pem.clone(),
             };
-            let connection = Connection::connect_with_config(
-                &self.settings.url,
-                ConnectionProperties::default(),
-                tls,
+            let kept = Arc::clone(&socket);
+            let connection = Connection::connector(
+                uri,
                 lapin::runtime::default_runtime()?,
+                async move |uri, runtime| {
+                    use lapin::tcp::AMQPUriTcpExt;
+                    let stream = uri
+                        .connect_with_config_async(tls.as_ref(), &runtime)
+                        .await?;
+                    *kept.lock().unwrap_or_else(|p| p.into_inner()) = socket_of(&stream);
+                    Ok(stream)
+                },
+                ConnectionProperties::default(),
             )
             .await?;
             Ok::<_, lapin::Error>(Link {
@@ -151,23 +174,47 @@ impl Broker {
                 idle: Vec::new(),
             })
         };
-        match tokio::time::timeout(self.settings.connect_timeout, connect).await {
+        let result = tokio::time::timeout(self.settings.connect_timeout, connect).await;
+        let copy = socket.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match result {
             Ok(Ok(link)) => Ok(link),
             Ok(Err(e)) => Err(PublishError::new("cannot connect to rabbitmq", e)),
-            Err(_) => Err(PublishError::msg(format!(
-                "cannot connect to rabbitmq: no answer within {:?}",
-                self.settings.connect_timeout
-            ))),
+            Err(_) => {
+                if let Some(copy) = copy {
+                    let _ = std::net::TcpStream::from(copy).shutdown(std::net::Shutdown::Both);
+                }
+                Err(PublishError::msg(format!(
+                    "cannot connect to rabbitmq: no answer within {:?}",
+                    self.settings.connect_timeout
+                )))
+            }
         }
     }
 
     /// The live connection, (re)connecting if it is gone. Callers that may
     /// stop waiting call it through [`Broker::detached`].
     pub(super) async fn connection(&self) -> Result<Arc<Connection>, PublishError> {
+        let asked = Instant::now();
         let mut link = self.link.lock().await;
         if let Some(l) = link.as_ref() {
             if l.connection.status().connected() {
                 return Ok(l.connection.clone());
+            }
+        }
+        // An attempt that failed after this caller asked is its answer too.
+        // Each batch's set-up and each probe asks in a task of its own that
+        // runs on after its caller stopped waiting: against a broker that
+        // never answers, each of them made its own attempt in turn, one
+        // connect timeout each, and they queued without bound (a relay
+        // stopping waited minutes for them).
+        if let Some((at, why)) = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            if *at >= asked {
+                return Err(PublishError::msg(why.clone()));
             }
         }
         if let Some(old) = link.take() {
@@ -178,7 +225,14 @@ impl Broker {
             )
             .await;
         }
-        let fresh = self.connect().await?;
+        let fresh = match self.connect().await {
+            Ok(fresh) => fresh,
+            Err(e) => {
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((Instant::now(), e.to_string()));
+                return Err(e);
+            }
+        };
         tracing::info!(url = %redact_url(&self.settings.url), "connected to rabbitmq");
         let connection = fresh.connection.clone();
         *link = Some(fresh);
@@ -262,9 +316,14 @@ impl Broker {
         }
     }
 
-    /// Closes the link, waiting a little for the broker to agree.
+    /// Closes the link, waiting a little for the broker to agree. A
+    /// connection attempt under way (it holds the link) is not waited for.
     pub(super) async fn close(&self) {
-        if let Some(link) = self.link.lock().await.take() {
+        let Ok(mut link) = tokio::time::timeout(Duration::from_secs(2), self.link.lock()).await
+        else {
+            return;
+        };
+        if let Some(link) = link.take() {
             let _ = tokio::time::timeout(
                 Duration::from_secs(2),
                 link.connection.close(200, "shutting down".into()),
@@ -372,6 +431,22 @@ fn forget(link: &mut Option<Link>, connection: &Arc<Connection>, why: &'static s
             .await;
         });
     }
+}
+
+/// A copy of a connection's socket, to shut it down from outside lapin.
+fn socket_of<S>(
+    stream: &lapin::tcp::AsyncTcpStream<async_compat::Compat<S>>,
+) -> Option<std::os::fd::OwnedFd>
+where
+    S: std::os::fd::AsFd,
+    async_compat::Compat<S>: futures::AsyncRead + futures::AsyncWrite + Send + Unpin + 'static,
+{
+    let fd = match stream {
+        lapin::tcp::AsyncTcpStream::Plain(s) => s.get_ref().as_fd(),
+        lapin::tcp::AsyncTcpStream::Rustls(s) => s.get_ref().0.get_ref().as_fd(),
+        _ => return None,
+    };
+    fd.try_clone_to_owned().ok()
 }
 
 fn take_idle(idle: &mut Vec<Channel>) -> Option<Channel> {
