@@ -309,6 +309,20 @@ async fn wait_standings(db: &TestDb, want: &[(bool, usize)], what: &str) {
     }
 }
 
+/// Samples `status` for `window` and fails at the first replica it lists
+/// as stepped aside.
+async fn no_one_aside_for(db: &TestDb, window: Duration, when: &str) {
+    let from = Instant::now();
+    while from.elapsed() < window {
+        let now = standings(db).await;
+        assert!(
+            now.iter().all(|(aside, _)| !aside),
+            "a replica stepped aside {when}: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The other half of stepping aside: a replica whose broker answers again
 /// comes back and takes its share; a broker outage for every replica moves
 /// no one aside (all would, and none would be left to notice the broker
@@ -348,15 +362,7 @@ async fn a_replica_back_in_touch_returns_and_an_outage_for_all_moves_no_one() {
         link.set(Mode::Refuse);
     }
     let writing = workload::spawn(&db, Spec::new(sink.destination(), 4, 200, 1_000));
-    let outage = Instant::now();
-    while outage.elapsed() < Duration::from_secs(24) {
-        let now = standings(&db).await;
-        assert!(
-            now.iter().all(|(aside, _)| !aside),
-            "a replica stepped aside in an outage for all: {now:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    no_one_aside_for(&db, Duration::from_secs(24), "in an outage for all").await;
     let written = writing.await.expect("writers");
     assert!(
         db.pending().await > 0,
@@ -367,15 +373,7 @@ async fn a_replica_back_in_touch_returns_and_an_outage_for_all_moves_no_one() {
     }
     // Whichever replica gets a batch through first, the other has its
     // broker answer within a probe's round and stays.
-    let back = Instant::now();
-    while back.elapsed() < Duration::from_secs(12) {
-        let now = standings(&db).await;
-        assert!(
-            now.iter().all(|(aside, _)| !aside),
-            "a replica stepped aside as the outage ended: {now:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    no_one_aside_for(&db, Duration::from_secs(12), "as the outage ended").await;
     let report = sink.settle(&db, &written, PATIENCE).await;
     outbox_tests::check::judge(
         TMP,

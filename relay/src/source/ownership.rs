@@ -490,12 +490,7 @@ async fn heartbeat(
         );
     } else if unanswering.is_some_and(|d| d >= standing.aside_after) && others_reached_long {
         let partitions: Vec<i32> = mine.drain(..).map(i32::from).collect();
-        client
-            .execute(
-                "SELECT pg_advisory_unlock($1, p) FROM unnest($2::int4[]) AS p",
-                &[&keys.partitions, &partitions],
-            )
-            .await?;
+        release(client, keys, &partitions).await?;
         client
             .execute(
                 "SELECT pg_try_advisory_lock($2, $3), pg_advisory_unlock($1, $3)",
@@ -523,12 +518,7 @@ async fn heartbeat(
     // finished registering.
     if mine.len() > share {
         let surplus: Vec<i32> = mine.drain(share..).map(i32::from).collect();
-        client
-            .execute(
-                "SELECT pg_advisory_unlock($1, p) FROM unnest($2::int4[]) AS p",
-                &[&keys.partitions, &surplus],
-            )
-            .await?;
+        release(client, keys, &surplus).await?;
     }
     if mine.len() < share {
         let mut free: Vec<i32> = (0..PARTITIONS)
@@ -574,6 +564,21 @@ async fn heartbeat(
         "partitions rebalanced"
     );
     Ok(Some(mine.clone()))
+}
+
+/// Releases `partitions`, in one round trip.
+async fn release(
+    client: &Client,
+    keys: &LockKeys,
+    partitions: &[i32],
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "SELECT pg_advisory_unlock($1, p) FROM unnest($2::int4[]) AS p",
+            &[&keys.partitions, &partitions],
+        )
+        .await?;
+    Ok(())
 }
 
 fn hostname() -> String {
