@@ -84,6 +84,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V19__inbox_key_limit",
         include_str!("../../migrations/V19__inbox_key_limit.sql"),
     ),
+    (
+        "V20__dead_letters_share_message_ids",
+        include_str!("../../migrations/V20__dead_letters_share_message_ids.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

@@ -224,3 +224,96 @@ async fn skip_setting_lets_later_messages_pass() {
     assert!(eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await);
     setup.finish().await;
 }
+
+/// An app may enqueue a message id again once its first message has left the
+/// outbox (the client's `message_id` makes an enqueue idempotent), and the
+/// first may have left as a dead letter. Before, when the second failed for
+/// good too, moving it to the dead letters broke their unique message id:
+/// the whole settle rolled back, so its batch (other keys' messages
+/// included) went out again at every claim and the key never moved.
+#[tokio::test]
+async fn a_message_id_dead_lettered_twice_repeats_nothing_and_stalls_nothing() {
+    let setup = Setup::new(true).await;
+    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
+    let outbox = db.outbox();
+    let reused = MessageId::from(uuid::Uuid::now_v7());
+    let poison = |key: &str| {
+        Message::builder(side)
+            .key(key)
+            .message_id(reused)
+            .json(&0)
+            .build()
+            .expect("valid")
+    };
+    outbox
+        .enqueue(&db.client, &poison("p"))
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
+        "the first message was not dead-lettered"
+    );
+    // The id again (another key: the first one's is parked), in one batch
+    // with messages of other keys.
+    let mut batch = vec![poison("q")];
+    batch.extend((0..40).map(|i| msg(&rabbit.exchange, &format!("k{}", i % 4), i)));
+    let mut ids = outbox
+        .enqueue_batch(&db.client, &batch)
+        .await
+        .expect("enqueue");
+    // More of the other keys while the second one fails, so that claims
+    // take them together with it.
+    for round in 0..15 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let more: Vec<Message> = (0..10)
+            .map(|i| {
+                msg(
+                    &rabbit.exchange,
+                    &format!("k{}", i % 4),
+                    100 + round * 10 + i,
+                )
+            })
+            .collect();
+        ids.extend(
+            outbox
+                .enqueue_batch(&db.client, &more)
+                .await
+                .expect("enqueue"),
+        );
+    }
+    let settled = eventually(Duration::from_secs(30), || async {
+        db.pending().await == 0 && db.count("dead_letters").await == 2
+    })
+    .await;
+    let others: Vec<String> = ids[1..].iter().map(|i| i.to_string()).collect();
+    let delivered = rabbit.message_ids();
+    let copies = |id: &String| delivered.iter().filter(|d| *d == id).count();
+    assert!(
+        settled,
+        "{} rows still in the outbox, {} dead letters; the batch's other messages went out {} times",
+        db.pending().await,
+        db.count("dead_letters").await,
+        others.iter().map(copies).max().unwrap_or(0)
+    );
+    assert!(
+        others.iter().all(|id| copies(id) == 1),
+        "copies of the other messages: {:?}",
+        others.iter().map(copies).collect::<Vec<_>>()
+    );
+    // Both stay listed under the id, for the operator to retry or discard.
+    let (code, out, err) = cli(
+        db,
+        &[
+            "dead-letters",
+            "list",
+            "--id",
+            &reused.to_string(),
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let listed: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    setup.finish().await;
+}
