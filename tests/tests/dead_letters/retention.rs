@@ -223,3 +223,75 @@ async fn retention_cleanup_deletes_only_expired_rows_in_bounded_batches() {
     assert!(oldest < 3600.0, "an expired row survived: {oldest}s old");
     db.cleanup().await;
 }
+
+/// Retention mode across a sequence set back (`TRUNCATE ... RESTART
+/// IDENTITY`, `setval`), which the relay follows (its claim floor starts
+/// again from 0): new rows take seqs that rows kept in `published` still
+/// have. Before, moving such a row there broke `published`'s key, the
+/// settle of its batch rolled back, and the batch was published again at
+/// every claim until the old row's retention ran out.
+#[tokio::test]
+async fn retention_across_a_sequence_set_back_settles_each_row_once() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let relay = InProcessRelay::amqp(&db, retention_settings(Duration::from_secs(3600), 1000));
+    deliver_and_retain(&db, &rabbit.exchange, 50, 5, || rabbit.count()).await;
+    db.client
+        .batch_execute(&format!("TRUNCATE {} RESTART IDENTITY", db.table()))
+        .await
+        .expect("restart the sequence");
+    let batch: Vec<Message> = (0..50)
+        .map(|i| msg(&rabbit.exchange, &format!("k{}", i % 5), 100 + i))
+        .collect();
+    let ids: Vec<String> = db
+        .outbox()
+        .enqueue_batch(&db.client, &batch)
+        .await
+        .expect("enqueue")
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
+    // Received by the consumer too, the 50 before and the 50 since.
+    let settled = eventually(Duration::from_secs(30), || async {
+        db.pending().await == 0 && rabbit.count() >= 100
+    })
+    .await;
+    let delivered = rabbit.message_ids();
+    let copies: Vec<usize> = ids
+        .iter()
+        .map(|id| delivered.iter().filter(|d| *d == id).count())
+        .collect();
+    relay.stop().await;
+    assert!(
+        settled,
+        "{} of 50 rows still in the outbox; copies delivered: {copies:?}",
+        db.pending().await
+    );
+    assert!(
+        copies.iter().all(|&n| n == 1),
+        "copies delivered: {copies:?}"
+    );
+    // The newest row under each seq is the one kept.
+    let kept: std::collections::HashSet<String> = db
+        .client
+        .query(
+            &format!(
+                "SELECT message_id::text FROM {}.published WHERE seq <= 50",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("published")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        kept,
+        ids.iter().cloned().collect(),
+        "published after the set-back"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

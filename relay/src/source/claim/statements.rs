@@ -273,6 +273,10 @@ impl Queries {
             exists: format!("SELECT event_type FROM {t} LIMIT 0"),
             // statement_timestamp(): when the settle ran, after the confirms
             // arrived (now() would be the claim's time, before publishing).
+            // A kept row under the same seq is from before the sequence was
+            // set back (`TRUNCATE ... RESTART IDENTITY`, `setval`): the
+            // newer row replaces it, or the settle would fail, roll back,
+            // and its batch go out again at every claim.
             retain: retain.then(|| {
                 format!(
                     "WITH r AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS r(seq, receipt)), \
@@ -281,7 +285,14 @@ impl Queries {
                                        payload, content_type, event_type, created_at, attempts, published_at, receipt) \
                      SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
                             content_type, event_type, created_at, attempts, statement_timestamp(), receipt::jsonb \
-                     FROM moved"
+                     FROM moved \
+                     ON CONFLICT (seq) DO UPDATE SET message_id = EXCLUDED.message_id, \
+                        destination = EXCLUDED.destination, ordering_key = EXCLUDED.ordering_key, \
+                        routing_key = EXCLUDED.routing_key, headers = EXCLUDED.headers, \
+                        payload = EXCLUDED.payload, content_type = EXCLUDED.content_type, \
+                        event_type = EXCLUDED.event_type, created_at = EXCLUDED.created_at, \
+                        attempts = EXCLUDED.attempts, published_at = EXCLUDED.published_at, \
+                        receipt = EXCLUDED.receipt"
                 )
             }),
             // SKIP LOCKED: two replicas cleaning at once split the work instead
