@@ -18,7 +18,7 @@
 //! CloudEvents SDKs read. The relay's own `message-id` header and property
 //! stay as they are, so consumers that use them need no change.
 
-use std::time::SystemTime;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::Envelope;
 
@@ -50,26 +50,71 @@ impl CloudEvents {
     }
 
     /// The event's attributes other than `datacontenttype`, unprefixed, in the
-    /// order the spec lists them.
-    pub fn attributes(&self, env: &Envelope) -> [(&'static str, String); 5] {
+    /// order the spec lists them. `time` is left out (it is optional) when
+    /// the row's `created_at` lies outside RFC 3339's years 0000 to 9999,
+    /// as Postgres allows (`'infinity'` included).
+    pub fn attributes(&self, env: &Envelope) -> Vec<(&'static str, String)> {
         let kind = match (&env.event_type, env.destination.as_str()) {
             (Some(t), _) => t.clone(),
             (None, "") => FALLBACK_TYPE.to_owned(),
             (None, destination) => destination.to_owned(),
         };
-        [
+        let mut a = vec![
             ("id", env.message_id.to_string()),
             ("source", self.source.clone()),
             ("specversion", "1.0".to_owned()),
             ("type", kind),
-            ("time", rfc3339(env.created_at)),
-        ]
+        ];
+        if let Some(time) = rfc3339(env.created_at) {
+            a.push(("time", time));
+        }
+        a
     }
 }
 
-/// `t` as RFC 3339 in UTC with microseconds, as Postgres keeps it.
-fn rfc3339(t: SystemTime) -> String {
-    humantime::format_rfc3339_micros(t).to_string()
+/// The attributes [`CloudEvents::attributes`] may set: a row header that
+/// spells one of them is left out, whether or not the event has it.
+pub const ATTRIBUTES: [&str; 5] = ["id", "source", "specversion", "type", "time"];
+
+/// `t` as RFC 3339 in UTC with microseconds, as Postgres keeps it, or None
+/// outside the years 0000 to 9999 that RFC 3339 can write.
+fn rfc3339(t: SystemTime) -> Option<String> {
+    let (secs, micros) = match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => (i64::try_from(d.as_secs()).ok()?, d.subsec_micros()),
+        Err(before) => {
+            let d = before.duration();
+            let secs = i64::try_from(d.as_secs()).ok()?;
+            match d.subsec_micros() {
+                0 => (-secs, 0),
+                us => (-secs - 1, 1_000_000 - us),
+            }
+        }
+    };
+    let (days, of_day) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (year, month, day) = civil_from_days(days);
+    if !(0..=9999).contains(&year) {
+        return None;
+    }
+    Some(format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{micros:06}Z",
+        of_day / 3600,
+        of_day % 3600 / 60,
+        of_day % 60
+    ))
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01 (Howard Hinnant's
+/// `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
 }
 
 #[cfg(test)]
@@ -97,7 +142,9 @@ mod tests {
         let ce = CloudEvents::new("/orders").expect("valid source");
         let a = ce.attributes(&env(Some("order.paid"), "orders"));
         assert_eq!(
-            a.map(|(k, v)| format!("{k}={v}")),
+            a.iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>(),
             [
                 "id=00000000-0000-0000-0000-000000000000",
                 "source=/orders",
@@ -113,6 +160,59 @@ mod tests {
         let ce = CloudEvents::new("/orders").expect("valid source");
         assert_eq!(ce.attributes(&env(None, "orders"))[3].1, "orders");
         assert_eq!(ce.attributes(&env(None, ""))[3].1, FALLBACK_TYPE);
+    }
+
+    /// A plain-SQL writer can set any `created_at` Postgres takes: a
+    /// backfill keeps its events' own times, from before 1970 too. Before,
+    /// formatting one panicked, which stopped the relay, and every relay
+    /// that claimed the row after it.
+    #[test]
+    fn any_created_at_postgres_takes_is_a_time_or_no_time_never_a_panic() {
+        let ce = CloudEvents::new("/orders").expect("valid source");
+        let at = |t: SystemTime| {
+            let e = Envelope {
+                created_at: t,
+                ..env(None, "orders")
+            };
+            let a = ce.attributes(&e);
+            a.iter().find(|(k, _)| *k == "time").map(|(_, v)| v.clone())
+        };
+        let epoch = SystemTime::UNIX_EPOCH;
+        let us = std::time::Duration::from_micros;
+        // 1969-07-20 20:17:40.5 UTC and the microsecond before the epoch.
+        assert_eq!(
+            at(epoch - us(14_182_939_500_000)).as_deref(),
+            Some("1969-07-20T20:17:40.500000Z")
+        );
+        assert_eq!(
+            at(epoch - us(1)).as_deref(),
+            Some("1969-12-31T23:59:59.999999Z")
+        );
+        // RFC 3339 spans years 0000 to 9999; Postgres goes wider, up to
+        // 'infinity' (the most microseconds after 2000 an i64 holds).
+        let pg_2000 = epoch + std::time::Duration::from_secs(946_684_800);
+        assert_eq!(at(pg_2000 + us(i64::MAX as u64)), None);
+        assert_eq!(at(pg_2000 - us(i64::MAX as u64)), None);
+        assert_eq!(
+            at(epoch - us(62_167_219_200_000_000)).as_deref(),
+            Some("0000-01-01T00:00:00.000000Z")
+        );
+        assert_eq!(at(epoch - us(62_167_219_200_000_001)), None);
+        assert_eq!(
+            at(epoch + us(253_402_300_799_999_999)).as_deref(),
+            Some("9999-12-31T23:59:59.999999Z")
+        );
+        assert_eq!(at(epoch + us(253_402_300_800_000_000)), None);
+        // Within 1970-9999, the same text as before, over a spread of times.
+        let mut t: u64 = 1;
+        while t < 253_402_300_799_999_999 {
+            assert_eq!(
+                at(epoch + us(t)),
+                Some(humantime::format_rfc3339_micros(epoch + us(t)).to_string()),
+                "{t}"
+            );
+            t = t * 3 + 7_654_321;
+        }
     }
 
     #[test]

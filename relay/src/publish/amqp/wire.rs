@@ -98,10 +98,11 @@ pub(super) fn properties(
     for (name, value) in &env.headers {
         // A row header that spells one of the event's attributes in any case
         // is left out: the event's own value is the one consumers must see.
-        let shadowed = attributes.iter().flatten().any(|(a, _)| {
-            name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce-"))
-                && name.get(3..).is_some_and(|n| n.eq_ignore_ascii_case(a))
-        });
+        let shadowed = attributes.is_some()
+            && crate::publish::cloudevents::ATTRIBUTES.iter().any(|a| {
+                name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce-"))
+                    && name.get(3..).is_some_and(|n| n.eq_ignore_ascii_case(a))
+            });
         if shadowed {
             continue;
         }

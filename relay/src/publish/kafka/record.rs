@@ -115,7 +115,12 @@ pub(super) fn headers(env: &Envelope, cloudevents: Option<&CloudEvents>) -> Owne
     // Kafka headers may repeat a name; a row header that spells one of the
     // event's attributes is left out rather than sent beside it.
     for (k, v) in &env.headers {
-        if attributes.iter().any(|(a, _)| a.eq_ignore_ascii_case(k)) {
+        let shadowed = cloudevents.is_some()
+            && crate::publish::cloudevents::ATTRIBUTES.iter().any(|a| {
+                k.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
+                    && k.get(3..).is_some_and(|n| n.eq_ignore_ascii_case(a))
+            });
+        if shadowed {
             continue;
         }
         h = h.insert(Header {
