@@ -93,10 +93,14 @@ const MIGRATIONS: &[(&str, &str)] = &[
 /// Creates `schema` if needed and applies every pending migration to it
 /// (feature `migrate`, on by default).
 ///
-/// Safe to call from several processes at once: a session-level advisory lock
-/// keyed on the schema name serializes them, and the later callers find nothing
-/// left to apply. The session's `search_path` is set to the schema while the
-/// migrations run (they create unqualified objects) and reset afterwards.
+/// Everything runs in one transaction, so it works through a transaction
+/// pooler (PgBouncer, Supavisor, RDS Proxy) as well as on a session of its
+/// own, and applies all pending migrations or none. Safe to call from
+/// several processes at once: a transaction-level advisory lock keyed on
+/// the schema name serializes them (the same key as the session lock of
+/// earlier versions, so those wait too), and the later callers find nothing
+/// left to apply. The transaction's `search_path` is the schema (the
+/// migrations create unqualified objects) and ends with it.
 #[cfg(feature = "migrate")]
 pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
     let schema = SchemaName::new(schema)?;
@@ -106,41 +110,95 @@ pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
         .collect::<Result<Vec<_>, _>>()
         .map_err(Error::Migration)?;
 
-    let lock_key = format!("outbox-migrate:{schema}");
-    client
-        .execute(
-            "SELECT pg_advisory_lock(hashtextextended($1, 0))",
-            &[&lock_key],
-        )
+    // READ COMMITTED whatever the server's default: a caller that waited
+    // for the lock must see what the holder committed.
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+        .start()
         .await?;
-    let result = async {
-        client
-            .batch_execute(&format!(
-                "CREATE SCHEMA IF NOT EXISTS {q}; SET search_path TO {q}",
-                q = schema.quoted()
-            ))
-            .await?;
-        Runner::new(&migrations)
-            .run_async(client)
-            .await
-            .map_err(Error::Migration)?;
-        Ok::<(), Error>(())
-    }
-    .await;
-    // Undo the session state even when a migration failed; if the connection
-    // itself is gone, the server has already dropped both.
-    let reset = client.batch_execute("RESET search_path").await;
-    let unlock = client
-        .execute(
-            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
-            &[&lock_key],
-        )
-        .await;
-    result?;
-    reset?;
-    unlock?;
+    let lock_key = format!("outbox-migrate:{schema}");
+    tx.query_typed(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        &[(&lock_key, tokio_postgres::types::Type::TEXT)],
+    )
+    .await?;
+    tx.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {q}; SET LOCAL search_path TO {q}",
+        q = schema.quoted()
+    ))
+    .await?;
+    Runner::new(&migrations)
+        .run_async(&mut InOne(&tx))
+        .await
+        .map_err(Error::Migration)?;
+    tx.commit().await?;
     Ok(())
 }
+
+/// refinery's runner inside one open transaction: its statements go out as
+/// simple queries (no prepared statement a pooler could lose between
+/// server connections), and a failed migration fails the whole transaction.
+#[cfg(feature = "migrate")]
+struct InOne<'t, 'c>(&'t tokio_postgres::Transaction<'c>);
+
+/// Why [`InOne`] could not run a statement or read refinery's history.
+#[cfg(feature = "migrate")]
+#[derive(Debug, thiserror::Error)]
+enum InOneError {
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("refinery_schema_history has a row that does not parse: {0}")]
+    History(String),
+}
+
+#[cfg(feature = "migrate")]
+impl refinery_core::traits::r#async::AsyncTransaction for InOne<'_, '_> {
+    type Error = InOneError;
+
+    async fn execute<'a, T: Iterator<Item = &'a str> + Send + 'a>(
+        &mut self,
+        queries: T,
+    ) -> Result<usize, Self::Error> {
+        let mut count = 0;
+        for query in queries {
+            self.0.batch_execute(query).await?;
+            count += 1;
+        }
+        Ok(count)
+    }
+}
+
+#[cfg(feature = "migrate")]
+impl refinery_core::traits::r#async::AsyncQuery<Vec<Migration>> for InOne<'_, '_> {
+    async fn query(&mut self, query: &str) -> Result<Vec<Migration>, Self::Error> {
+        let mut applied = Vec::new();
+        for message in self.0.simple_query(query).await? {
+            let tokio_postgres::SimpleQueryMessage::Row(row) = message else {
+                continue;
+            };
+            // refinery's own table: version, name, applied_on (RFC 3339),
+            // checksum.
+            let text = |i: usize| row.get(i).unwrap_or_default().to_owned();
+            let bad = |what: &str| InOneError::History(format!("{what} {:?}", text(0)));
+            let applied_on = time::OffsetDateTime::parse(
+                &text(2),
+                &time::format_description::well_known::Rfc3339,
+            )
+            .map_err(|_| bad("applied_on of version"))?;
+            applied.push(Migration::applied(
+                text(0).parse().map_err(|_| bad("version"))?,
+                text(1),
+                applied_on,
+                text(3).parse().map_err(|_| bad("checksum of version"))?,
+            ));
+        }
+        Ok(applied)
+    }
+}
+
+#[cfg(feature = "migrate")]
+impl refinery::AsyncMigrate for InOne<'_, '_> {}
 
 /// Switches the statement-level NOTIFY trigger on or off.
 ///

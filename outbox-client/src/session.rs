@@ -5,9 +5,10 @@
 //! pooler: [`crate::Outbox::enqueue`], [`crate::Outbox::enqueue_batch`] and
 //! the consumer-side helpers that take a transaction. What holds state
 //! between transactions does not: the relay (row locks across its batch,
-//! session advisory locks, LISTEN), the migration runner (a session advisory
-//! lock and `search_path`) and [`crate::job_lock`] (a session advisory lock).
-//! Those call [`keeps_session`] first and refuse a pooler with a clear error.
+//! session advisory locks, LISTEN) and [`crate::job_lock`] (a session
+//! advisory lock). Those call [`keeps_session`] first and refuse a pooler
+//! with a clear error. [`crate::migrate`] runs in one transaction, and works
+//! through one.
 
 use tokio_postgres::Client;
 

@@ -213,3 +213,130 @@ async fn a_session_mode_pool_works_fully() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// An app that migrates at start-up through the pooler it enqueues
+/// through (a transaction pooler such as PgBouncer or Supavisor, from
+/// several instances starting at once). Before, `outbox_client::migrate`
+/// took a session advisory lock and set `search_path` on whichever server
+/// connection ran that statement, and ran each migration on another: the
+/// schema's objects went to `public`, the lock stayed held by a pooled
+/// server connection (the next start-up waited on it), and the path
+/// leaked to other clients of the pool.
+#[tokio::test]
+async fn the_apps_own_migrate_through_a_transaction_pooler_lands_in_its_schema_and_holds_nothing() {
+    outbox_tests::init_logging();
+    let admin = TestDb::new().await;
+    let db_name = outbox_tests::unique("pooled_migrate");
+    admin
+        .client
+        .batch_execute(&format!("CREATE DATABASE {db_name}"))
+        .await
+        .expect("create database");
+    let bouncer = PgBouncer::start("transaction").await;
+    let pooled: tokio_postgres::Config = bouncer.url(&db_name).parse().expect("url");
+    let direct: tokio_postgres::Config = format!("postgres://postgres@127.0.0.1:5432/{db_name}")
+        .parse()
+        .expect("url");
+    let schema = outbox_tests::unique("app");
+
+    // Other clients of the pool keep taking server connections between
+    // the migrating clients' statements, as a live app's requests do.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut noise = Vec::new();
+    for _ in 0..4 {
+        let (pooled, stop) = (pooled.clone(), stop.clone());
+        noise.push(tokio::spawn(async move {
+            let client = connect(&pooled).await;
+            while !stop.is_cancelled() {
+                let _ = client.simple_query("SELECT pg_sleep(0.002)").await;
+            }
+        }));
+    }
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        let (pooled, schema) = (pooled.clone(), schema.clone());
+        instances.push(tokio::spawn(async move {
+            let mut client = connect(&pooled).await;
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                outbox_client::migrate(&mut client, &schema),
+            )
+            .await
+        }));
+    }
+    let mut outcomes = Vec::new();
+    for i in instances {
+        outcomes.push(i.await.expect("instance"));
+    }
+    // Whatever the pooler's server connections still hold.
+    let check = connect(&direct).await;
+    let held: i64 = check
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .await
+        .expect("locks")
+        .get(0);
+    let misplaced: Vec<String> = check
+        .query(
+            "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = 'public' \
+             UNION ALL SELECT p.proname::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE n.nspname = 'public'",
+            &[],
+        )
+        .await
+        .expect("public")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut paths = HashSet::new();
+    for _ in 0..8 {
+        let c = connect(&pooled).await;
+        let rows = c.simple_query("SHOW search_path").await.expect("show");
+        for m in rows {
+            if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                paths.insert(r.get(0).unwrap_or_default().to_owned());
+            }
+        }
+    }
+    stop.cancel();
+    for n in noise {
+        let _ = n.await;
+    }
+    assert!(
+        outcomes.iter().all(|o| matches!(o, Ok(Ok(())))),
+        "migrations through the pooler: {outcomes:?}"
+    );
+    assert!(misplaced.is_empty(), "created in public: {misplaced:?}");
+    assert_eq!(
+        held, 0,
+        "advisory locks left held by pooled server connections"
+    );
+    assert!(
+        paths.iter().all(|p| !p.contains(&schema)),
+        "search_path left set for other clients of the pool: {paths:?}"
+    );
+    // The schema is whole: an enqueue through the pooler lands in it.
+    let client = connect(&pooled).await;
+    let outbox = outbox_client::Outbox::new(&schema).expect("schema");
+    outbox
+        .enqueue(
+            &client,
+            &Message::builder("orders")
+                .payload(b"x".to_vec())
+                .build()
+                .expect("valid"),
+        )
+        .await
+        .expect("enqueue into the migrated schema");
+    drop((check, client));
+    drop(bouncer);
+    let _ = admin
+        .client
+        .batch_execute(&format!("DROP DATABASE {db_name} WITH (FORCE)"))
+        .await;
+    admin.cleanup().await;
+}
