@@ -172,6 +172,42 @@ async fn waiter_runs_the_request_when_the_holder_rolls_back() {
     db.cleanup().await;
 }
 
+/// `Wait(Duration::MAX)`, the usual way to say "as long as it takes":
+/// before, adding it to the clock overflowed and every `begin` panicked,
+/// with or without another request running the key.
+#[tokio::test]
+async fn a_wait_without_limit_waits_instead_of_panicking() {
+    let db = TestDb::new().await;
+    let table = effects_table(&db).await;
+    let waiting = Idempotency::with_schema(db.schema.clone())
+        .when_in_progress(WhenInProgress::Wait(Duration::MAX));
+    let k = key("k-max");
+    let mut a = connect(&db.config).await;
+    let mut b = connect(&db.config).await;
+    let tx_a = a.transaction().await.expect("begin a");
+    let begun = waiting
+        .begin(&tx_a, SCOPE, &k, &fp("x"))
+        .await
+        .expect("begin");
+    assert!(matches!(begun, Begin::New(_)));
+    let waiter = {
+        let (waiting, table, k) = (waiting.clone(), table.clone(), k.clone());
+        tokio::spawn(async move { run_once(&waiting, &mut b, &table, &k, "x").await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter did not wait for the holder"
+    );
+    tx_a.rollback().await.expect("rollback a");
+    let outcome = tokio::time::timeout(PATIENCE, waiter)
+        .await
+        .expect("waiter finished once the holder ended")
+        .expect("join");
+    assert!(matches!(outcome, Reply::Executed(_)), "{outcome:?}");
+    db.cleanup().await;
+}
+
 #[tokio::test]
 async fn a_crashed_process_leaves_no_stuck_key() {
     let db = TestDb::new().await;

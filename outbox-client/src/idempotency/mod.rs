@@ -179,6 +179,10 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 /// A boxed future borrowing the transaction, as returned by request handlers.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// The longest [`WhenInProgress::Wait`] counts; a longer one (such as
+/// `Duration::MAX`) waits this long.
+const WAIT_CAP: Duration = Duration::from_secs(100 * 365 * 86_400);
+
 /// What [`Idempotency::begin`] does when another transaction is running the
 /// same key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +193,7 @@ pub enum WhenInProgress {
     /// Wait up to this long for the other transaction to end, then answer as
     /// for a fresh request (usually a replay). Suits double clicks, where the
     /// second request would rather get the first one's answer than a 409.
+    /// `Duration::MAX` waits for as long as it takes.
     Wait(Duration),
 }
 
@@ -565,7 +570,12 @@ impl Idempotency {
         );
         let deadline = match self.when_in_progress {
             WhenInProgress::Reject => None,
-            WhenInProgress::Wait(max) => Some(tokio::time::Instant::now() + max),
+            // `Wait(Duration::MAX)` means no limit: a deadline past what
+            // the clock can add is as good as none.
+            WhenInProgress::Wait(max) => {
+                let now = tokio::time::Instant::now();
+                Some(now.checked_add(max).unwrap_or(now + WAIT_CAP))
+            }
         };
         let mut pause = Duration::from_millis(10);
         loop {
