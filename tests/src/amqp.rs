@@ -165,6 +165,25 @@ pub async fn declare_unbound_exchange(name: &str) {
     let _ = conn.close(200, "ok".into()).await;
 }
 
+/// Declares `name` as an internal topic exchange: RabbitMQ routes to it
+/// from other exchanges only, and refuses a client's publish to it.
+pub async fn declare_internal_exchange(name: &str) {
+    let conn = connect().await.expect("connect to rabbitmq");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_declare(
+        name.into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            internal: true,
+            ..ExchangeDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare internal exchange");
+    let _ = conn.close(200, "ok".into()).await;
+}
+
 /// Deletes an exchange (best effort).
 pub async fn delete_exchange(name: &str) {
     if let Ok(conn) = connect().await {

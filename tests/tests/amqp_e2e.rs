@@ -396,6 +396,87 @@ async fn an_exchange_deleted_mid_stream_holds_back_only_its_own_messages() {
     db.cleanup().await;
 }
 
+/// An internal exchange takes no client's publish: RabbitMQ closes the
+/// channel with ACCESS_REFUSED ("cannot publish to internal exchange"), as
+/// for a missing permission, but no grant will ever let the message
+/// through. Before, the relay took it for a permission and held the
+/// message, and every later one of its key, for good, without counting an
+/// attempt. It is the message's own failure: it counts attempts and ends
+/// in the dead letters, naming why, while the other keys flow.
+#[tokio::test]
+async fn a_message_to_an_internal_exchange_is_dead_lettered_not_held_forever() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let internal = outbox_tests::unique("internal");
+    amqp::declare_internal_exchange(&internal).await;
+    let settings = outbox_relay::Settings {
+        max_attempts: 3,
+        retry_base: Duration::from_millis(50),
+        retry_max: Duration::from_millis(200),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::amqp(&db, settings);
+    let outbox = db.outbox();
+    let mut good = 0;
+    for chunk in 0..5 {
+        let stream: Vec<Message> = (0..100)
+            .map(|n| {
+                let i = chunk * 100 + n;
+                let exchange = if n == 0 {
+                    internal.as_str()
+                } else {
+                    good += 1;
+                    rabbit.exchange.as_str()
+                };
+                Message::builder(exchange)
+                    .key(format!("k{}", i % 7 + if n == 0 { 100 } else { 0 }))
+                    .json(&i)
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        outbox
+            .enqueue_batch(&db.client, &stream)
+            .await
+            .expect("enqueue");
+    }
+    let arrived = eventually(PATIENCE, || async { distinct(&rabbit) >= good }).await;
+    let dead_lettered = eventually(Duration::from_secs(60), || async {
+        db.count("dead_letters").await == 5 && db.pending().await == 0
+    })
+    .await;
+    let errors: Vec<Option<String>> = db
+        .column(&format!(
+            "SELECT last_error FROM {}.dead_letters",
+            db.schema.quoted()
+        ))
+        .await;
+    let failed = relay
+        .stats
+        .counted(outbox_relay::health::Event::BatchFailed);
+    relay.stop().await;
+    assert!(arrived, "{} of {good} delivered", distinct(&rabbit));
+    assert!(
+        dead_lettered,
+        "{} dead letters, {} rows waiting: {:?}",
+        db.count("dead_letters").await,
+        db.pending().await,
+        db.column::<Option<String>>(&format!("SELECT last_error FROM {}", db.table()))
+            .await
+    );
+    assert!(
+        errors
+            .iter()
+            .all(|e| e.as_deref().is_some_and(|e| e.contains("internal"))),
+        "{errors:?}"
+    );
+    assert_eq!(failed, 0, "an internal exchange is no outage");
+    amqp::delete_exchange(&internal).await;
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
+
 /// A destination the relay's user may not write to: a new exchange whose
 /// permission was forgotten. RabbitMQ answers a publish there by closing
 /// the channel with ACCESS_REFUSED, under every other message of the batch.

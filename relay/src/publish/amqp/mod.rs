@@ -99,10 +99,25 @@ pub struct AmqpPublisher {
     /// The batch size a slow link can confirm in time.
     pace: Pace,
     /// Exchanges, or routing keys on them, the broker refused the relay's
-    /// user access to (a channel closed with ACCESS_REFUSED), with when and
-    /// the reason for their rows: their messages wait, unsent, until
-    /// [`EXCHANGE_CHECK_TTL`] has passed, then a batch tries again.
-    refused_exchanges: std::sync::Mutex<Vec<(Barred, Instant, String)>>,
+    /// user access to (a channel closed with ACCESS_REFUSED): their
+    /// messages go unsent until [`EXCHANGE_CHECK_TTL`] has passed, then a
+    /// batch tries again.
+    refused_exchanges: std::sync::Mutex<Vec<Bar>>,
+}
+
+/// One refusal in [`AmqpPublisher::refused_exchanges`].
+struct Bar {
+    target: Barred,
+    /// When the broker refused.
+    at: Instant,
+    /// The reason given to its rows.
+    reason: String,
+    /// Whether its messages count an attempt each time they are refused:
+    /// an internal exchange takes no client's publish, whatever the user
+    /// may do, so the message fails on its own account and ends in the
+    /// dead letters. A missing permission may be granted: its messages wait
+    /// without attempts counted, like a paused destination's.
+    counts: bool,
 }
 
 /// RabbitMQ's default `max_message_size` (since 3.8): 128 MiB.
@@ -142,10 +157,9 @@ impl AmqpPublisher {
     }
 
     /// The bars in force on the relay's access to exchanges (or routing
-    /// keys on them), each with the reason for its rows and how long it
-    /// has left: the broker refused that access less than
-    /// [`EXCHANGE_CHECK_TTL`] ago.
-    fn bars(&self) -> Vec<(Barred, Duration, String)> {
+    /// keys on them), each with what its messages are refused with: the
+    /// broker refused that access less than [`EXCHANGE_CHECK_TTL`] ago.
+    fn bars(&self) -> Vec<(Barred, Rejection)> {
         let mut bars = self
             .refused_exchanges
             .lock()
@@ -153,14 +167,17 @@ impl AmqpPublisher {
         if bars.is_empty() {
             return Vec::new();
         }
-        bars.retain(|(_, at, _)| at.elapsed() < EXCHANGE_CHECK_TTL);
+        bars.retain(|b| b.at.elapsed() < EXCHANGE_CHECK_TTL);
         bars.iter()
-            .map(|(bar, at, reason)| {
-                (
-                    bar.clone(),
-                    EXCHANGE_CHECK_TTL.saturating_sub(at.elapsed()),
-                    reason.clone(),
-                )
+            .map(|b| {
+                let left = EXCHANGE_CHECK_TTL.saturating_sub(b.at.elapsed());
+                let rejection = match b.counts {
+                    true => Rejection::retryable(b.reason.clone()),
+                    // Not the message's own failure, and the broker is
+                    // asked again only when the bar ends.
+                    false => Rejection::unanswered(b.reason.clone()).for_at_least(left),
+                };
+                (b.target.clone(), rejection)
             })
             .collect()
     }
@@ -175,26 +192,47 @@ impl AmqpPublisher {
         let Some(bar) = refused_target(reason, targets) else {
             return false;
         };
-        tracing::warn!(
-            exchange = bar.exchange,
-            routing_key = bar.routing_key,
-            reason,
-            "rabbitmq refused the relay's user access; those messages wait, the others go on"
-        );
-        let what = match &bar.routing_key {
-            Some(rk) => format!("routing key {rk:?} on exchange {:?}", bar.exchange),
-            None => format!("exchange {:?}", bar.exchange),
+        // RabbitMQ's words for a publish to an exchange declared internal.
+        let internal = reason.contains("cannot publish to internal exchange");
+        let row = if internal {
+            tracing::warn!(
+                exchange = bar.exchange,
+                reason,
+                "an exchange of the batch is internal and takes no publishes; its messages \
+                 count attempts and go to the dead letters, the others go on"
+            );
+            format!(
+                "exchange {:?} is internal: rabbitmq takes no publishes to it (declare it \
+                 without `internal`, or send to an exchange bound to it): {reason}",
+                bar.exchange
+            )
+        } else {
+            tracing::warn!(
+                exchange = bar.exchange,
+                routing_key = bar.routing_key,
+                reason,
+                "rabbitmq refused the relay's user access; those messages wait, the others go on"
+            );
+            let what = match &bar.routing_key {
+                Some(rk) => format!("routing key {rk:?} on exchange {:?}", bar.exchange),
+                None => format!("exchange {:?}", bar.exchange),
+            };
+            format!(
+                "rabbitmq refused the relay's user access to {what}; waiting, no attempts \
+                 counted, until it is granted (tried again every {EXCHANGE_CHECK_TTL:?}): {reason}"
+            )
         };
-        let row = format!(
-            "rabbitmq refused the relay's user access to {what}; waiting, no attempts \
-             counted, until it is granted (tried again every {EXCHANGE_CHECK_TTL:?}): {reason}"
-        );
         let mut bars = self
             .refused_exchanges
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        bars.retain(|(b, _, _)| *b != bar);
-        bars.push((bar, Instant::now(), row));
+        bars.retain(|b| b.target != bar);
+        bars.push(Bar {
+            target: bar,
+            at: Instant::now(),
+            reason: row,
+            counts: internal,
+        });
         true
     }
 
@@ -383,14 +421,11 @@ impl Publisher for AmqpPublisher {
                 Err(Rejection::retryable(format!(
                     "exchange {exchange:?} does not exist"
                 )))
-            } else if let Some((_, left, reason)) = bars
+            } else if let Some((_, rejection)) = bars
                 .iter()
-                .find(|(bar, _, _)| bar.bars(exchange, &env.routing_key))
+                .find(|(bar, _)| bar.bars(exchange, &env.routing_key))
             {
-                // Not the message's own failure, and the broker is asked
-                // again only when the bar ends: waiting, like a paused
-                // destination, counts no attempts.
-                Err(Rejection::unanswered(reason.clone()).for_at_least(*left))
+                Err(rejection.clone())
             } else if let Some(r) = self.refuse_locally(env) {
                 Err(r)
             } else {
