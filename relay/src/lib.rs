@@ -32,6 +32,7 @@ pub mod publish;
 pub mod redact;
 pub mod source;
 pub mod supervise;
+pub mod timefmt;
 
 use tokio_util::sync::CancellationToken;
 

@@ -44,9 +44,17 @@ fn age_secs(t: Option<SystemTime>) -> Option<f64> {
         .map(|d| d.as_secs_f64())
 }
 
-/// `t` as RFC 3339 in UTC, for JSON beside the ages.
+/// `t` as RFC 3339 in UTC, for JSON beside the ages; Postgres's own
+/// `-infinity` or `infinity` past the years RFC 3339 writes (a fresh row's
+/// `next_attempt_at` is `'-infinity'`).
 fn rfc3339(t: SystemTime) -> String {
-    humantime::format_rfc3339_micros(t).to_string()
+    crate::timefmt::rfc3339(t).unwrap_or_else(|| {
+        match t < SystemTime::UNIX_EPOCH {
+            true => "-infinity",
+            false => "infinity",
+        }
+        .to_owned()
+    })
 }
 
 /// [`rfc3339`] of a nullable column.

@@ -160,3 +160,45 @@ async fn cli_lists_shows_discards_and_rejects_bad_arguments() {
     amqp::delete_exchange(&side).await;
     db.cleanup().await;
 }
+
+/// `locate` of a message still waiting for its first claim, and the dead
+/// letters of a backfill that kept its events' own times (before 1970).
+/// Before, both panicked in the time formatting: a fresh row's
+/// `next_attempt_at` is `'-infinity'`, and the formatter took nothing
+/// before 1970, so `locate` failed for every message not yet sent.
+#[tokio::test]
+async fn locate_and_list_answer_for_fresh_rows_and_times_before_1970() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let id = db
+        .outbox()
+        .enqueue(&db.client, &msg("orders", "k", 1))
+        .await
+        .expect("enqueue");
+    let (code, out, err) = cli(&db, &["locate", &id.to_string(), "--json"]).await;
+    assert_eq!(code, 0, "locate of a fresh row: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "pending", "{v}");
+    assert_eq!(v["next_attempt_at"], "-infinity", "{v}");
+    let (code, out, err) = cli(&db, &["locate", &id.to_string()]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.is_empty());
+
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO {s}.dead_letters (seq, message_id, destination, ordering_key, routing_key, \
+                headers, payload, created_at, attempts, last_error, dead_at) \
+             VALUES (1000, gen_random_uuid(), 'orders', 'old', '', '{{}}', 'x', \
+                '1969-07-20 20:17:40.5+00', 3, 'unroutable', now())"
+        ))
+        .await
+        .expect("a dead letter from a backfill");
+    let (code, out, err) = cli(&db, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(code, 0, "dead-letters list: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v[0]["created_at"], "1969-07-20T20:17:40.500000Z", "{v}");
+    let (code, _, err) = cli(&db, &["dead-letters", "list", "--key", "old"]).await;
+    assert_eq!(code, 0, "{err}");
+    db.cleanup().await;
+}
