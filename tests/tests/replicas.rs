@@ -550,3 +550,55 @@ async fn a_relay_and_status_run_on_a_schema_a_migration_behind() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// A relay whose role (or database) defaults to SERIALIZABLE or REPEATABLE
+/// READ, as some teams set for their apps: three replicas, one killed and
+/// restarted mid-stream, over 60 keys. Statements the relay runs outside
+/// its batches (ownership, heartbeat, floor, barrier, retention) would
+/// otherwise fail with serialization errors whenever replicas touch the
+/// same rows.
+#[tokio::test]
+async fn replicas_whose_role_defaults_to_serializable_lose_nothing_and_keep_key_order() {
+    let started = std::time::Instant::now();
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let role = outbox_tests::unique("serial");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN SUPERUSER; \
+             ALTER ROLE {role} SET default_transaction_isolation = 'serializable'"
+        ))
+        .await
+        .expect("role");
+    let sink = Sink::amqp().await;
+    let mut env = replica_env(&db);
+    env.push((
+        "OUTBOX_DATABASE_URL",
+        db.url().replacen("postgres@", &format!("{role}@"), 1),
+    ));
+    env.extend(sink.relay_env(None));
+    let spec = Spec::new(sink.destination(), 8, 60, 20_000);
+    let writers = workload::spawn(&db, spec);
+    let mut replicas: Vec<RelayProcess> = (0..3)
+        .map(|_| RelayProcess::start(RELAY_BIN, &env))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let old = std::mem::replace(&mut replicas[1], RelayProcess::start(RELAY_BIN, &env));
+    old.kill9().await;
+    let written = writers.await.expect("writers");
+    let report = sink.settle(&db, &written, PATIENCE).await;
+    for mut r in replicas {
+        r.signal("TERM").await;
+        assert_eq!(r.wait().await, Some(0));
+    }
+    outbox_tests::check::judge(
+        TMP,
+        "amqp: 3 replicas, role default serializable, 1 kill",
+        &report,
+        started,
+        Some(BATCH * (PIPELINE + 1)),
+    );
+    let _ = db.client.batch_execute(&format!("DROP ROLE {role}")).await;
+    sink.cleanup().await;
+    db.cleanup().await;
+}
