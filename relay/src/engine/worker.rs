@@ -16,7 +16,7 @@ use crate::backoff::Backoff;
 use crate::envelope::Envelope;
 use crate::health::{Event, Stats};
 use crate::publish::Publisher;
-use crate::source::claim::{ClaimLimits, TooLarge};
+use crate::source::claim::{ClaimLimits, TooLarge, Unreadable};
 use crate::source::durable::Durable;
 use crate::source::floor::Floor;
 use crate::source::ownership::Owned;
@@ -324,10 +324,21 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     }
 
     /// Says that `rows`, with their `reasons`, went to the dead letters.
-    fn dead_lettered_unread(&self, rows: &[TooLarge], reasons: &[(i64, String)]) {
-        self.stats.count(Event::DeadLettered, rows.len() as u64);
+    fn dead_lettered_unread(
+        &self,
+        rows: &[TooLarge],
+        unreadable: &[Unreadable],
+        reasons: &[(i64, String)],
+    ) {
+        self.stats
+            .count(Event::DeadLettered, (rows.len() + unreadable.len()) as u64);
         for (row, (_, reason)) in rows.iter().zip(reasons) {
             log_dead_letter(&row.message_id, &row.destination, row.attempts, reason);
+        }
+        for u in unreadable {
+            if let Some((_, reason)) = reasons.iter().find(|(seq, _)| *seq == u.seq) {
+                log_dead_letter(&u.message_id, &u.destination, u.attempts, reason);
+            }
         }
     }
 
@@ -436,7 +447,17 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let mut holds = claimed.holds;
         // Rows the broker cannot take, known by their size and not read:
         // dead letters, settled with this batch.
-        let too_large = too_large(&claimed.too_large, max_payload, max_headers);
+        let mut too_large = too_large(&claimed.too_large, max_payload, max_headers);
+        // Rows that cannot be read: dead letters too, or every claim would
+        // fail on them.
+        for u in &claimed.unreadable {
+            let reason = format!(
+                "the row cannot be read: {} (its headers must be a JSON object of \
+                 strings; dead-lettered without being sent)",
+                u.error
+            );
+            too_large.push((u.seq, reason));
+        }
         let batch = hooks::claimed(claimed.batch);
         if batch.is_empty()
             && holds.is_empty()
@@ -467,7 +488,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                     dead: &too_large,
                 })
                 .await?;
-            self.dead_lettered_unread(&claimed.too_large, &too_large);
+            self.dead_lettered_unread(&claimed.too_large, &claimed.unreadable, &too_large);
             return Ok(if held > 0 || !too_large.is_empty() {
                 BatchEnd::Settled {
                     more: true,
@@ -644,7 +665,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                         dead: &too_large,
                     })
                     .await?;
-                    self.dead_lettered_unread(&claimed.too_large, &too_large);
+                    self.dead_lettered_unread(&claimed.too_large, &claimed.unreadable, &too_large);
                 } else {
                     tx.rollback().await?;
                 }
@@ -686,7 +707,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         })
         .await?;
         metrics::histogram!(crate::metrics::SETTLE).record(settling.elapsed().as_secs_f64());
-        self.dead_lettered_unread(&claimed.too_large, &too_large);
+        self.dead_lettered_unread(&claimed.too_large, &claimed.unreadable, &too_large);
         self.stats
             .count(Event::DeadLettered, plan.dead.len() as u64);
         for (seq, reason) in &plan.dead {

@@ -317,3 +317,78 @@ async fn a_message_id_dead_lettered_twice_repeats_nothing_and_stalls_nothing() {
     assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
     setup.finish().await;
 }
+
+/// A row whose headers Postgres holds but the relay cannot read back: a
+/// plain-SQL writer's `{"n": 1e400}` (no f64 holds it) or JSON nested past
+/// any parser's depth limit. Before, reading it failed the whole claim, the
+/// worker's session started over and claimed it again, for good: nothing
+/// of its partitions went out, and readiness still said ready. It fails on
+/// its own account now: it goes to the dead letters, naming why, its key's
+/// later rows wait behind it (parked), and the rest flow.
+#[tokio::test]
+async fn a_row_whose_headers_cannot_be_read_is_dead_lettered_and_stalls_nothing() {
+    let setup = Setup::new(true).await;
+    let (db, rabbit) = (&setup.db, &setup.rabbit);
+    let outbox = db.outbox();
+    let first: Vec<Message> = (0..5)
+        .map(|i| msg(&rabbit.exchange, &format!("k{}", i % 3), i))
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &first)
+        .await
+        .expect("enqueue");
+    let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+    for headers in [
+        r#"{"n": 1e400}"#.to_owned(),
+        format!(r#"{{"deep": {deep}}}"#),
+    ] {
+        db.client
+            .execute(
+                &format!(
+                    "INSERT INTO {} (destination, ordering_key, headers, payload) \
+                     VALUES ($1, 'bad', $2::text::jsonb, 'x')",
+                    db.table()
+                ),
+                &[&rabbit.exchange, &headers],
+            )
+            .await
+            .expect("a row with unreadable headers");
+    }
+    let after: Vec<Message> = (5..25)
+        .map(|i| msg(&rabbit.exchange, &format!("k{}", i % 3), i))
+        .collect();
+    outbox
+        .enqueue_batch(&db.client, &after)
+        .await
+        .expect("enqueue");
+    let flowed = eventually(Duration::from_secs(30), || async {
+        rabbit.count() >= 25 && db.count("dead_letters").await >= 1
+    })
+    .await;
+    assert!(
+        flowed,
+        "{} of 25 delivered, {} dead letters, {} rows waiting",
+        rabbit.count(),
+        db.count("dead_letters").await,
+        db.pending().await
+    );
+    // The first is a dead letter, naming why; the second waits behind it.
+    let errors: Vec<String> = db
+        .column(&format!(
+            "SELECT last_error FROM {}.dead_letters",
+            db.schema.quoted()
+        ))
+        .await;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("cannot be read") && errors[0].contains("out of range"),
+        "{errors:?}"
+    );
+    assert_eq!(db.pending().await, 1);
+    // The operator can list it, and sees the headers as stored (Postgres
+    // writes 1e400 out in full).
+    let (code, out, err) = cli(db, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(r#""headers": "{\"n\": 1000"#), "{out}");
+    setup.finish().await;
+}

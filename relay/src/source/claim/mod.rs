@@ -90,6 +90,11 @@ pub struct Claimed {
     /// (plain SQL writers face no client limit). Their keys' later rows in
     /// this claim are left for the next claim, after them.
     pub too_large: Vec<TooLarge>,
+    /// Rows whose body Postgres holds but the relay cannot read back (a
+    /// plain-SQL writer's `{"n": 1e400}` in `headers`, JSON nested past the
+    /// parser's depth), with why: dead letters, settled with this batch.
+    /// Their keys' later rows in this claim are left for the next claim.
+    pub unreadable: Vec<Unreadable>,
     /// Whether the claim locked rows it left out for the batch's row or
     /// byte limits: it took all a batch may hold, whatever the rows it
     /// kept turn out to weigh once read (their header bytes are reckoned
@@ -125,6 +130,21 @@ pub struct TooLarge {
     pub bytes: i64,
     /// Its headers' bytes, about (see [`Head::headers`]).
     pub headers: i64,
+}
+
+/// A claimed row the relay cannot read (see [`Claimed::unreadable`]).
+#[derive(Debug, Clone)]
+pub struct Unreadable {
+    /// The row's seq.
+    pub seq: i64,
+    /// Its message id.
+    pub message_id: Uuid,
+    /// Its destination.
+    pub destination: String,
+    /// Its attempts so far.
+    pub attempts: i32,
+    /// What reading it failed with.
+    pub error: String,
 }
 
 /// The SQL text for one schema, built once.
@@ -409,15 +429,40 @@ impl Queries {
             flushed,
             ..Claimed::default()
         };
+        // Keys whose older row in this claim could not be read.
+        let mut unread_keys: HashSet<String> = HashSet::new();
         for (head, verdict) in heads.rows.into_iter().zip(verdicts) {
             // Blocked rows' bodies are passed over.
             while seq_of(&body)?.is_some_and(|seq| seq < head.seq) {
                 body = bodies.try_next().await?;
             }
             match verdict {
+                Verdict::Go
+                    if head
+                        .ordering_key
+                        .as_ref()
+                        .is_some_and(|k| unread_keys.contains(k)) =>
+                {
+                    claimed.blocked.push(head.seq);
+                }
                 Verdict::Go if seq_of(&body)? == Some(head.seq) => {
                     let row = body.take().expect("a body was just seen");
-                    claimed.batch.push(envelope(head, &row)?);
+                    let (seq, message_id, attempts) = (head.seq, head.message_id, head.attempts);
+                    let (destination, key) = (head.destination.clone(), head.ordering_key.clone());
+                    // The row is in memory: what fails here is its values.
+                    match envelope(head, &row) {
+                        Ok(env) => claimed.batch.push(env),
+                        Err(e) => {
+                            unread_keys.extend(key);
+                            claimed.unreadable.push(Unreadable {
+                                seq,
+                                message_id,
+                                destination,
+                                attempts,
+                                error: with_sources(&e),
+                            });
+                        }
+                    }
                     body = bodies.try_next().await?;
                 }
                 // Cannot happen while the row is locked; if it does, the row
@@ -795,6 +840,19 @@ fn judge(
             }
         })
         .collect()
+}
+
+/// `e` with the errors under it ("error deserializing column 1: number out
+/// of range at line 1 column 407").
+fn with_sources(e: &tokio_postgres::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 fn envelope(head: Head, body: &Row) -> Result<Envelope, tokio_postgres::Error> {
