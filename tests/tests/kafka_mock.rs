@@ -601,6 +601,16 @@ struct OfflineRun {
 
 impl OfflineRun {
     async fn start(name: &str) -> OfflineRun {
+        Self::start_with(name, "1500", fast_settings()).await
+    }
+
+    /// [`OfflineRun::start`] with `message.timeout.ms` and the relay's
+    /// settings (batches of 100 still).
+    async fn start_with(
+        name: &str,
+        message_timeout_ms: &str,
+        settings: outbox_relay::Settings,
+    ) -> OfflineRun {
         outbox_tests::init_logging();
         let mock = MockCluster::new(3).expect("mock cluster");
         let brokers = mock.bootstrap_servers();
@@ -612,11 +622,15 @@ impl OfflineRun {
         // failed batch would pass it several times over in 10 s.
         let settings = outbox_relay::Settings {
             batch_size: 100,
-            ..fast_settings()
+            ..settings
         };
         let bound = settings.batch_size as usize * (settings.pipeline + 1);
-        let relay =
-            InProcessRelay::kafka(&db, &brokers, &[("message.timeout.ms", "1500")], settings);
+        let relay = InProcessRelay::kafka(
+            &db,
+            &brokers,
+            &[("message.timeout.ms", message_timeout_ms)],
+            settings,
+        );
         OfflineRun {
             mock,
             topic,
@@ -684,6 +698,49 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
     outbox_tests::check::judge(
         TMP,
         "kafka mock: one partition offline 10s",
+        &report,
+        started,
+        Some(run.bound),
+    );
+    run.finish().await;
+}
+
+/// The same with the defaults' proportions: the message timeout (the
+/// confirm timeout) half the hold limit, where a batch must answer a little
+/// before. Before, the publisher waited for every record's report, so a
+/// batch with a record on the offline partition outlived its deadline,
+/// failed whole as in an outage (the broker reported unreachable), and its
+/// records the healthy partitions had confirmed went out again at every
+/// retry, for as long as the partition stayed offline.
+#[tokio::test]
+async fn one_offline_partition_with_the_default_timeouts_costs_the_others_one_set_of_batches() {
+    let started = std::time::Instant::now();
+    let settings = outbox_relay::Settings {
+        hold_limit: Duration::from_secs(6),
+        ..fast_settings()
+    };
+    let run = OfflineRun::start_with("offline_default", "3000", settings).await;
+    let (mock, topic, consumer, db) = (&run.mock, &run.topic, &run.consumer, &run.db);
+    let spec = Spec {
+        max_commit_delay: Duration::from_millis(20),
+        ..Spec::new(topic, 4, 40, 8_000)
+    };
+    let writers = workload::spawn(db, spec);
+    assert!(
+        eventually(PATIENCE, || async { consumer.count() > 200 }).await,
+        "nothing flows"
+    );
+    run.lead(0);
+    mock.broker_down(1).expect("broker 1 down");
+    // Long enough that repeating the healthy partitions' records with every
+    // retry would pass the bound several times over.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    mock.broker_up(1).expect("broker 1 up");
+    let written = writers.await.expect("writers");
+    let report = drained_report("one partition offline", db, &written, consumer, 0).await;
+    outbox_tests::check::judge(
+        TMP,
+        "kafka mock: one partition offline 30s, message timeout half the hold limit",
         &report,
         started,
         Some(run.bound),

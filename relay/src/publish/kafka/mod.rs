@@ -213,6 +213,8 @@ impl KafkaPublisher {
         let started = Instant::now();
         let mut outcomes: Vec<Option<Verdict>> = vec![None; batch.len()];
         let mut pending = Vec::with_capacity(batch.len());
+        // The batch indices of the records handed to the producer.
+        let mut handed_over = Vec::with_capacity(batch.len());
         // Keys with a record librdkafka refused here (too large, invalid):
         // their later records are not queued, so nothing overtakes the
         // refused one.
@@ -278,6 +280,7 @@ impl KafkaPublisher {
             match producer.inner.send(record) {
                 Ok(()) => {
                     sent += env.payload.len();
+                    handed_over.push(i);
                     pending.push(async move { (i, delivery.await, Instant::now()) });
                 }
                 Err((e, _)) if rejection(&e).is_some() => {
@@ -322,7 +325,30 @@ impl KafkaPublisher {
         // For the pace: payload bytes delivered, when the last of them was,
         // and whether any record timed out.
         let (mut delivered, mut last_delivery, mut timed_out) = (0usize, started, false);
-        for (i, report, at) in join_all(pending).await {
+        // The reports that come by the deadline. A record still unanswered
+        // then (its partition without a leader, its message timeout not up:
+        // the timeout runs from the hand-over, after the claim) is not
+        // waited for, so the batch answers in time with what the other
+        // partitions confirmed, as for a record timed out.
+        let reports = reports_by(pending, deadline).await;
+        for &i in &handed_over {
+            if reports.iter().any(|(j, _, _)| *j == i) {
+                continue;
+            }
+            timed_out = true;
+            batch_error.get_or_insert(KafkaError::MessageProduction(
+                RDKafkaErrorCode::MessageTimedOut,
+            ));
+            let partition = match (&batch[i].ordering_key, self.predictable) {
+                (Some(key), true) => producer
+                    .setup
+                    .partitions(&batch[i].destination)
+                    .map_or(-1, |n| murmur2_partition(key.as_bytes(), n)),
+                _ => -1,
+            };
+            unanswered.push((i, partition, true));
+        }
+        for (i, report, at) in reports {
             match &report {
                 Ok(Ok((partition, offset))) if *offset >= 0 => {
                     delivered += batch[i].payload.len();
@@ -471,6 +497,23 @@ fn stopped_at_a_refusal() -> PublishError {
         "kafka: the producer stopped at a refusal (the gapless guarantee); \
          the batch goes again on a new producer",
     )
+}
+
+/// What `pending` yields by `deadline`, in the order of the batch: the
+/// futures not done by then are dropped (their delivery reports, should
+/// they come, go nowhere).
+async fn reports_by<F, T>(pending: Vec<F>, deadline: Instant) -> Vec<(usize, T, Instant)>
+where
+    F: std::future::Future<Output = (usize, T, Instant)>,
+{
+    use futures::StreamExt;
+    let mut waiting: futures::stream::FuturesUnordered<F> = pending.into_iter().collect();
+    let mut done = Vec::with_capacity(waiting.len());
+    while let Ok(Some(report)) = tokio::time::timeout_at(deadline, waiting.next()).await {
+        done.push(report);
+    }
+    done.sort_by_key(|(i, _, _)| *i);
+    done
 }
 
 /// The topics of `batch`, each once, in the order they first appear.
