@@ -232,7 +232,8 @@ impl Statements {
         };
         Statements {
             sequence: format!(
-                "SELECT s.seqcache, coalesce(pg_sequence_last_value(s.seqrelid), s.seqstart - s.seqincrement) \
+                "SELECT s.seqcache, coalesce(pg_sequence_last_value(s.seqrelid), s.seqstart - s.seqincrement), \
+                        pg_relation_filenode(s.seqrelid)::bigint \
                  FROM pg_sequence s \
                  WHERE s.seqrelid = pg_get_serial_sequence('{literal}', 'seq')::regclass"
             ),
@@ -329,6 +330,12 @@ pub struct Tracker {
     /// sequence has moved since, claims or not (see [`Tracker::own_due`]).
     last_value: i64,
     listed_upto: i64,
+    /// The sequence's storage file, as last read. `TRUNCATE ... RESTART
+    /// IDENTITY` and `ALTER SEQUENCE ... RESTART` give it a new one, so a
+    /// set-back is seen even when rows written since have taken the last
+    /// value past the floor again (`setval` keeps the file: it is seen
+    /// only by a last value below the floor).
+    sequence_file: Option<i64>,
 }
 
 /// Why the floor cannot be used on this outbox.
@@ -359,7 +366,14 @@ impl Tracker {
             own: None,
             last_value: 0,
             listed_upto: 0,
+            sequence_file: None,
         }
+    }
+
+    /// Whether the sequence's storage file (`file`, as just read) is not
+    /// the one last read: the sequence was restarted since.
+    fn restarted(&mut self, file: i64) -> bool {
+        self.sequence_file.replace(file).is_some_and(|f| f != file)
     }
 
     /// The partitions this replica owns now. Their floor is kept when they
@@ -415,6 +429,8 @@ impl Tracker {
         if cache != 1 {
             return Err(Unusable::CachedSequence(cache));
         }
+        // A new session's first floor is computed from seq 0 anyway.
+        self.sequence_file = Some(row.get(2));
         let writers = client
             .prepare(&self.statements.writers)
             .await
@@ -466,6 +482,7 @@ impl Tracker {
                 let listed = async {
                     let row = client.query_one(&prepared.sequence, &[]).await?;
                     let upto: i64 = row.get(1);
+                    let file: i64 = row.get(2);
                     self.last_value = upto;
                     self.listed_upto = upto;
                     let (again, writers) = futures::try_join!(
@@ -477,6 +494,7 @@ impl Tracker {
                         .find(|&c| c != 1);
                     Ok::<_, tokio_postgres::Error>((
                         cache,
+                        file,
                         Candidate {
                             upto,
                             writers: writers.vxids,
@@ -486,17 +504,20 @@ impl Tracker {
                 }
                 .await;
                 match listed {
-                    Ok((Some(cache), _)) => {
+                    Ok((Some(cache), _, _)) => {
                         self.cached = Some(cache);
                         self.candidate = None;
                         self.passed.clear();
                         self.own = None;
                         return Ok(None);
                     }
-                    Ok((None, candidate)) if candidate.upto < moved.unwrap_or(current) - 1 => {
+                    Ok((None, file, candidate))
+                        if self.restarted(file)
+                            || candidate.upto < moved.unwrap_or(current) - 1 =>
+                    {
                         return Ok(Some(self.went_back()));
                     }
-                    Ok((None, candidate)) => self.candidate = Some(candidate),
+                    Ok((None, _, candidate)) => self.candidate = Some(candidate),
                     // A floor that came back for a passed writer's rows
                     // (whose bases are forgotten by now) must be published
                     // first; the next step lists again.
@@ -522,14 +543,15 @@ impl Tracker {
             return Ok(None);
         };
         let row = client.query_one(&prepared.sequence, &[]).await?;
-        let (cache, last): (i64, i64) = (row.get(0), row.get(1));
+        let (cache, last, file): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
         self.last_value = last;
         if cache != 1 {
             self.cached = Some(cache);
             self.own = None;
             return Ok(Some(0));
         }
-        Ok((last < current - 1).then(|| self.went_back()))
+        let restarted = self.restarted(file);
+        Ok((restarted || last < current - 1).then(|| self.went_back()))
     }
 
     /// The sequence's last value lies below the floor: the sequence was

@@ -1139,6 +1139,59 @@ async fn a_sequence_restarted_while_the_relay_idles_does_not_strand_new_rows() {
     db.cleanup().await;
 }
 
+/// The same, with the outbox emptied and written again past the old floor
+/// in one transaction (a reset that reloads fixtures, a script that
+/// truncates and backfills): by the time the relay reads the sequence,
+/// its last value is above the floor again, so a last value behind the
+/// floor no longer shows the restart, and the rows below the floor
+/// stayed there (for good, with no rescan; up to `--claim-floor-rescan`
+/// by default). The sequence's new storage file shows it now.
+#[tokio::test]
+async fn a_sequence_restarted_and_written_past_the_floor_at_once_strands_nothing() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let relay = without_rescan(&db);
+    let floor = move_floor_past(&db, &relay, 100).await;
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the first rows did not drain"
+    );
+    let n = usize::try_from(floor).expect("floor") + 20;
+    let rows: Vec<Message> = (0..n)
+        .map(|i| message("x", &format!("k{}", i % 7), format!("after-{i}")))
+        .collect();
+    let mut client = outbox_tests::db::connect(&db.config).await;
+    let tx = client.transaction().await.expect("begin");
+    tx.batch_execute(&format!("TRUNCATE {} RESTART IDENTITY", db.table()))
+        .await
+        .expect("truncate");
+    let ids = db
+        .outbox()
+        .enqueue_batch(&tx, &rows)
+        .await
+        .expect("enqueue");
+    tx.commit().await.expect("commit");
+    let top = last_seq(&db.client, &db.table()).await;
+    assert!(
+        top > floor,
+        "the new rows reach {top}, not past the floor at {floor}"
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            ids.iter().all(|id| went_out(&relay, id.as_uuid()))
+        })
+        .await,
+        "{} of {n} rows at seqs 1-{top}, written past the floor at {floor} in the \
+         transaction that restarted the sequence, were never found (floor now {})",
+        ids.iter()
+            .filter(|id| !went_out(&relay, id.as_uuid()))
+            .count(),
+        relay.floor.get()
+    );
+    relay.stop().await;
+    db.cleanup().await;
+}
+
 /// A prepared transaction (two-phase commit: `PREPARE TRANSACTION`, as a
 /// transaction manager or an XA-speaking app does) holds its outbox rows
 /// uncommitted with no session behind it, for as long as its coordinator
