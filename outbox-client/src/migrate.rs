@@ -88,6 +88,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V20__dead_letters_share_message_ids",
         include_str!("../../migrations/V20__dead_letters_share_message_ids.sql"),
     ),
+    (
+        "V21__dead_letters_keyed_apart_from_seq",
+        include_str!("../../migrations/V21__dead_letters_keyed_apart_from_seq.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

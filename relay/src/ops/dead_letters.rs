@@ -229,7 +229,12 @@ pub async fn retry(client: &Client, schema: &SchemaName, filter: &Filter) -> Res
         .await
         .map_err(|e| {
             if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
-                OpsError::Selection("a selected message is already back in the outbox".into())
+                OpsError::Selection(
+                    "a selected message is already back in the outbox, or another with its \
+                     message id or seq is there (dead letters of an id enqueued twice, or \
+                     from before the sequence was set back): retry them one at a time"
+                        .into(),
+                )
             } else {
                 OpsError::Postgres(e)
             }
