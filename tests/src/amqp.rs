@@ -149,6 +149,16 @@ pub async fn consume(ch: &Channel, queue: &str, prefetch: u16) -> lapin::Consume
 
 /// Declares an exchange with no queue bound to it, so every publish is unroutable.
 pub async fn declare_unbound_exchange(name: &str) {
+    declare_topic_exchange(name, false).await;
+}
+
+/// Declares `name` as an internal topic exchange: RabbitMQ routes to it
+/// from other exchanges only, and refuses a client's publish to it.
+pub async fn declare_internal_exchange(name: &str) {
+    declare_topic_exchange(name, true).await;
+}
+
+async fn declare_topic_exchange(name: &str, internal: bool) {
     let conn = connect().await.expect("connect to rabbitmq");
     let ch = conn.create_channel().await.expect("channel");
     ch.exchange_declare(
@@ -156,31 +166,13 @@ pub async fn declare_unbound_exchange(name: &str) {
         ExchangeKind::Topic,
         ExchangeDeclareOptions {
             auto_delete: false,
+            internal,
             ..ExchangeDeclareOptions::default()
         },
         FieldTable::default(),
     )
     .await
     .expect("declare exchange");
-    let _ = conn.close(200, "ok".into()).await;
-}
-
-/// Declares `name` as an internal topic exchange: RabbitMQ routes to it
-/// from other exchanges only, and refuses a client's publish to it.
-pub async fn declare_internal_exchange(name: &str) {
-    let conn = connect().await.expect("connect to rabbitmq");
-    let ch = conn.create_channel().await.expect("channel");
-    ch.exchange_declare(
-        name.into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            internal: true,
-            ..ExchangeDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .expect("declare internal exchange");
     let _ = conn.close(200, "ok".into()).await;
 }
 

@@ -674,35 +674,8 @@ impl OfflineRun {
 /// batches, and nothing is lost.
 #[tokio::test]
 async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches() {
-    let started = std::time::Instant::now();
     let run = OfflineRun::start("offline").await;
-    let (mock, topic, consumer, db) = (&run.mock, &run.topic, &run.consumer, &run.db);
-    let spec = Spec {
-        max_commit_delay: Duration::from_millis(20),
-        ..Spec::new(topic, 4, 40, 4_000)
-    };
-    let writers = workload::spawn(db, spec);
-    assert!(
-        eventually(PATIENCE, || async { consumer.count() > 200 }).await,
-        "nothing flows"
-    );
-    // Partition 0 led by broker 1, the others by brokers 2 and 3; then
-    // broker 1 goes away, and partition 0 with it (the mock elects no new
-    // leader).
-    run.lead(0);
-    mock.broker_down(1).expect("broker 1 down");
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    mock.broker_up(1).expect("broker 1 up");
-    let written = writers.await.expect("writers");
-    let report = drained_report("one partition offline", db, &written, consumer, 0).await;
-    outbox_tests::check::judge(
-        TMP,
-        "kafka mock: one partition offline 10s",
-        &report,
-        started,
-        Some(run.bound),
-    );
-    run.finish().await;
+    partition_0_offline(run, 4_000, Duration::from_secs(10), "").await;
 }
 
 /// The same with the defaults' proportions: the message timeout (the
@@ -711,19 +684,29 @@ async fn one_offline_partition_costs_the_others_no_more_than_one_set_of_batches(
 /// batch with a record on the offline partition outlived its deadline,
 /// failed whole as in an outage (the broker reported unreachable), and its
 /// records the healthy partitions had confirmed went out again at every
-/// retry, for as long as the partition stayed offline.
+/// retry, for as long as the partition stayed offline: 30 s of it passes
+/// the bound.
 #[tokio::test]
 async fn one_offline_partition_with_the_default_timeouts_costs_the_others_one_set_of_batches() {
-    let started = std::time::Instant::now();
     let settings = outbox_relay::Settings {
         hold_limit: Duration::from_secs(6),
         ..fast_settings()
     };
     let run = OfflineRun::start_with("offline_default", "3000", settings).await;
+    let note = ", message timeout half the hold limit";
+    partition_0_offline(run, 8_000, Duration::from_secs(30), note).await;
+}
+
+/// `messages` over 40 keys from 4 writers; once they flow, partition 0 led
+/// by broker 1 alone and the others by brokers 2 and 3, then broker 1 away
+/// for `outage` (the mock elects no new leader). Judged with the run's
+/// bound as "one partition offline" and `note`.
+async fn partition_0_offline(run: OfflineRun, messages: usize, outage: Duration, note: &str) {
+    let started = std::time::Instant::now();
     let (mock, topic, consumer, db) = (&run.mock, &run.topic, &run.consumer, &run.db);
     let spec = Spec {
         max_commit_delay: Duration::from_millis(20),
-        ..Spec::new(topic, 4, 40, 8_000)
+        ..Spec::new(topic, 4, 40, messages)
     };
     let writers = workload::spawn(db, spec);
     assert!(
@@ -732,15 +715,16 @@ async fn one_offline_partition_with_the_default_timeouts_costs_the_others_one_se
     );
     run.lead(0);
     mock.broker_down(1).expect("broker 1 down");
-    // Long enough that repeating the healthy partitions' records with every
-    // retry would pass the bound several times over.
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    tokio::time::sleep(outage).await;
     mock.broker_up(1).expect("broker 1 up");
     let written = writers.await.expect("writers");
     let report = drained_report("one partition offline", db, &written, consumer, 0).await;
     outbox_tests::check::judge(
         TMP,
-        "kafka mock: one partition offline 30s, message timeout half the hold limit",
+        &format!(
+            "kafka mock: one partition offline {}s{note}",
+            outage.as_secs()
+        ),
         &report,
         started,
         Some(run.bound),

@@ -43,6 +43,70 @@ impl Setup {
     }
 }
 
+/// Enqueues `failing` (a message that fails for good) in one batch with 40
+/// messages of four other keys, then 150 more of those over 3 s, so that
+/// claims take them together with it. Waits up to 30 s for the outbox to
+/// empty with `dead` dead letters and the others received, then checks that
+/// each of them arrived once: a settle that fails at every claim sends its
+/// batch again each time, and leaves its rows in the outbox.
+async fn failing_amid_others(setup: &Setup, failing: Message, dead: i64) {
+    let (db, rabbit) = (&setup.db, &setup.rabbit);
+    let outbox = db.outbox();
+    let mut batch = vec![failing];
+    batch.extend((0..40).map(|i| msg(&rabbit.exchange, &format!("k{}", i % 4), i)));
+    let mut ids = outbox
+        .enqueue_batch(&db.client, &batch)
+        .await
+        .expect("enqueue");
+    for round in 0..15 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let more: Vec<Message> = (0..10)
+            .map(|i| {
+                msg(
+                    &rabbit.exchange,
+                    &format!("k{}", i % 4),
+                    100 + round * 10 + i,
+                )
+            })
+            .collect();
+        ids.extend(
+            outbox
+                .enqueue_batch(&db.client, &more)
+                .await
+                .expect("enqueue"),
+        );
+    }
+    let others: Vec<String> = ids[1..].iter().map(|i| i.to_string()).collect();
+    let settled = eventually(Duration::from_secs(30), || async {
+        db.pending().await == 0
+            && db.count("dead_letters").await == dead
+            && rabbit.count() >= others.len()
+    })
+    .await;
+    let delivered = rabbit.message_ids();
+    let copies = |id: &String| delivered.iter().filter(|d| *d == id).count();
+    let left: Vec<String> = db
+        .column(&format!(
+            "SELECT format('%s %s %s %s %s', seq, ordering_key, attempts, next_attempt_at, last_error) \
+             FROM {} ORDER BY seq LIMIT 10",
+            db.table()
+        ))
+        .await;
+    assert!(
+        settled,
+        "{} rows still in the outbox, {} dead letters; the other messages went out up to {} \
+         times; first rows left: {left:?}",
+        db.pending().await,
+        db.count("dead_letters").await,
+        others.iter().map(copies).max().unwrap_or(0)
+    );
+    assert!(
+        others.iter().all(|id| copies(id) == 1),
+        "copies of the other messages: {:?}",
+        others.iter().map(copies).collect::<Vec<_>>()
+    );
+}
+
 #[tokio::test]
 async fn poison_message_dead_letters_while_10000_others_flow() {
     let setup = Setup::new(true).await;
@@ -234,7 +298,7 @@ async fn skip_setting_lets_later_messages_pass() {
 #[tokio::test]
 async fn a_message_id_dead_lettered_twice_repeats_nothing_and_stalls_nothing() {
     let setup = Setup::new(true).await;
-    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
+    let (db, side) = (&setup.db, setup.side.as_str());
     let outbox = db.outbox();
     let reused = MessageId::from(uuid::Uuid::now_v7());
     let poison = |key: &str| {
@@ -253,53 +317,9 @@ async fn a_message_id_dead_lettered_twice_repeats_nothing_and_stalls_nothing() {
         eventually(PATIENCE, || async { db.count("dead_letters").await == 1 }).await,
         "the first message was not dead-lettered"
     );
-    // The id again (another key: the first one's is parked), in one batch
-    // with messages of other keys.
-    let mut batch = vec![poison("q")];
-    batch.extend((0..40).map(|i| msg(&rabbit.exchange, &format!("k{}", i % 4), i)));
-    let mut ids = outbox
-        .enqueue_batch(&db.client, &batch)
-        .await
-        .expect("enqueue");
-    // More of the other keys while the second one fails, so that claims
-    // take them together with it.
-    for round in 0..15 {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let more: Vec<Message> = (0..10)
-            .map(|i| {
-                msg(
-                    &rabbit.exchange,
-                    &format!("k{}", i % 4),
-                    100 + round * 10 + i,
-                )
-            })
-            .collect();
-        ids.extend(
-            outbox
-                .enqueue_batch(&db.client, &more)
-                .await
-                .expect("enqueue"),
-        );
-    }
-    let settled = eventually(Duration::from_secs(30), || async {
-        db.pending().await == 0 && db.count("dead_letters").await == 2
-    })
-    .await;
-    let others: Vec<String> = ids[1..].iter().map(|i| i.to_string()).collect();
-    let delivered = rabbit.message_ids();
-    let copies = |id: &String| delivered.iter().filter(|d| *d == id).count();
-    assert!(
-        settled,
-        "{} rows still in the outbox, {} dead letters; the batch's other messages went out {} times",
-        db.pending().await,
-        db.count("dead_letters").await,
-        others.iter().map(copies).max().unwrap_or(0)
-    );
-    assert!(
-        others.iter().all(|id| copies(id) == 1),
-        "copies of the other messages: {:?}",
-        others.iter().map(copies).collect::<Vec<_>>()
-    );
+    // The id again (another key: the first one's is parked), among
+    // messages of other keys.
+    failing_amid_others(&setup, poison("q"), 2).await;
     // Both stay listed under the id, for the operator to retry or discard.
     let (code, out, err) = cli(
         db,
@@ -402,7 +422,7 @@ async fn a_row_whose_headers_cannot_be_read_is_dead_lettered_and_stalls_nothing(
 #[tokio::test]
 async fn a_sequence_set_back_under_old_dead_letters_repeats_nothing() {
     let setup = Setup::new(false).await;
-    let (db, rabbit, side) = (&setup.db, &setup.rabbit, setup.side.as_str());
+    let (db, side) = (&setup.db, setup.side.as_str());
     let outbox = db.outbox();
     let poison: Vec<Message> = (0..3).map(|i| msg(side, &format!("p{i}"), i)).collect();
     outbox
@@ -418,56 +438,6 @@ async fn a_sequence_set_back_under_old_dead_letters_repeats_nothing() {
         .await
         .expect("restart the sequence");
     // Seq 1 again, for good a failure, among messages of other keys.
-    let mut batch = vec![msg(side, "q", 0)];
-    batch.extend((0..40).map(|i| msg(&rabbit.exchange, &format!("k{}", i % 4), i)));
-    let mut ids = outbox
-        .enqueue_batch(&db.client, &batch)
-        .await
-        .expect("enqueue");
-    for round in 0..15 {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let more: Vec<Message> = (0..10)
-            .map(|i| {
-                msg(
-                    &rabbit.exchange,
-                    &format!("k{}", i % 4),
-                    100 + round * 10 + i,
-                )
-            })
-            .collect();
-        ids.extend(
-            outbox
-                .enqueue_batch(&db.client, &more)
-                .await
-                .expect("enqueue"),
-        );
-    }
-    let others: Vec<String> = ids[1..].iter().map(|i| i.to_string()).collect();
-    let settled = eventually(Duration::from_secs(30), || async {
-        db.pending().await == 0
-            && db.count("dead_letters").await == 4
-            && rabbit.count() >= others.len()
-    })
-    .await;
-    let delivered = rabbit.message_ids();
-    let copies = |id: &String| delivered.iter().filter(|d| *d == id).count();
-    let left: Vec<String> = db
-        .column(&format!(
-            "SELECT format('%s %s %s %s %s', seq, ordering_key, attempts, next_attempt_at, last_error) \
-             FROM {} ORDER BY seq LIMIT 10",
-            db.table()
-        ))
-        .await;
-    assert!(
-        settled,
-        "{} dead letters; the other messages went out up to {} times; first rows left: {left:?}",
-        db.count("dead_letters").await,
-        others.iter().map(copies).max().unwrap_or(0)
-    );
-    assert!(
-        others.iter().all(|id| copies(id) == 1),
-        "copies of the other messages: {:?}",
-        others.iter().map(copies).collect::<Vec<_>>()
-    );
+    failing_amid_others(&setup, msg(side, "q", 0), 4).await;
     setup.finish().await;
 }
