@@ -331,8 +331,12 @@ impl KafkaPublisher {
         // waited for, so the batch answers in time with what the other
         // partitions confirmed, as for a record timed out.
         let reports = reports_by(pending, deadline).await;
+        let mut reported = vec![false; batch.len()];
+        for (i, _, _) in &reports {
+            reported[*i] = true;
+        }
         for &i in &handed_over {
-            if reports.iter().any(|(j, _, _)| *j == i) {
+            if reported[i] {
                 continue;
             }
             timed_out = true;

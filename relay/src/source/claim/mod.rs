@@ -447,19 +447,19 @@ impl Queries {
                 }
                 Verdict::Go if seq_of(&body)? == Some(head.seq) => {
                     let row = body.take().expect("a body was just seen");
-                    let (seq, message_id, attempts) = (head.seq, head.message_id, head.attempts);
-                    let (destination, key) = (head.destination.clone(), head.ordering_key.clone());
                     // The row is in memory: what fails here is its values.
-                    match envelope(head, &row) {
-                        Ok(env) => claimed.batch.push(env),
+                    match read_body(&row) {
+                        Ok((headers, payload)) => {
+                            claimed.batch.push(envelope(head, headers, payload))
+                        }
                         Err(e) => {
-                            unread_keys.extend(key);
+                            unread_keys.extend(head.ordering_key);
                             claimed.unreadable.push(Unreadable {
-                                seq,
-                                message_id,
-                                destination,
-                                attempts,
-                                error: with_sources(&e),
+                                seq: head.seq,
+                                message_id: head.message_id,
+                                destination: head.destination,
+                                attempts: head.attempts,
+                                error: crate::source::PgError(&e).to_string(),
                             });
                         }
                     }
@@ -842,20 +842,12 @@ fn judge(
         .collect()
 }
 
-/// `e` with the errors under it ("error deserializing column 1: number out
-/// of range at line 1 column 407").
-fn with_sources(e: &tokio_postgres::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
+/// A row's headers, as the envelope carries them.
+type Headers = Vec<(String, String)>;
 
-fn envelope(head: Head, body: &Row) -> Result<Envelope, tokio_postgres::Error> {
+/// A body's headers and payload; fails on values Postgres holds and the
+/// relay cannot read (see [`Claimed::unreadable`]).
+fn read_body(body: &Row) -> Result<(Headers, Vec<u8>), tokio_postgres::Error> {
     // By position: seq, headers, payload, as the bodies statement says.
     let headers: serde_json::Value = body.try_get(1)?;
     let headers = match headers {
@@ -873,19 +865,23 @@ fn envelope(head: Head, body: &Row) -> Result<Envelope, tokio_postgres::Error> {
             .collect(),
         _ => Vec::new(),
     };
-    Ok(Envelope {
+    Ok((headers, body.try_get(2)?))
+}
+
+fn envelope(head: Head, headers: Headers, payload: Vec<u8>) -> Envelope {
+    Envelope {
         seq: head.seq,
         message_id: head.message_id,
         destination: head.destination,
         ordering_key: head.ordering_key,
         routing_key: head.routing_key,
         headers,
-        payload: body.try_get(2)?,
+        payload,
         content_type: head.content_type,
         event_type: head.event_type,
         created_at: head.created_at,
         attempts: head.attempts,
-    })
+    }
 }
 
 #[cfg(test)]
