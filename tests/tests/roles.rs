@@ -8,6 +8,19 @@ use outbox_tests::amqp::Fixture;
 use outbox_tests::db::TestDb;
 use outbox_tests::{eventually, fast_settings, InProcessRelay};
 
+/// A login role of the test's own in `group` (one of roles.sql's), and a
+/// connection config for it.
+async fn login_in(db: &TestDb, group: &str) -> (String, tokio_postgres::Config) {
+    let role = outbox_tests::unique(group);
+    db.client
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN IN ROLE {group}"))
+        .await
+        .expect("login role");
+    let mut config = db.config.clone();
+    config.user(&role);
+    (role, config)
+}
+
 #[tokio::test]
 async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
     outbox_tests::init_logging();
@@ -112,6 +125,83 @@ async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
         .client
         .batch_execute(&format!(
             "DROP SCHEMA {} CASCADE; DROP ROLE {app}; DROP ROLE {relay_user};",
+            db.schema.quoted()
+        ))
+        .await;
+}
+
+/// Retention mode as roles.sql's relay role: each row moves to `published`
+/// once, also when the sequence was set back under rows kept there. The
+/// retain statement once replaced a kept row by `ON CONFLICT DO UPDATE`,
+/// which Postgres checks against UPDATE rights (which the role lacks)
+/// at every call: every settle failed, rolled back, and its batch went out
+/// again at every claim.
+#[tokio::test]
+async fn retention_as_the_relay_role_settles_each_row_once() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
+    let (relay_user, config) = login_in(&db, "outbox_relay").await;
+    let relay_db = TestDb {
+        config,
+        schema: db.schema.clone(),
+        client: outbox_tests::db::connect(&db.config).await,
+    };
+    let settings = outbox_relay::Settings {
+        retention: Some(Duration::from_secs(3600)),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::amqp(&relay_db, settings);
+    let outbox = db.outbox();
+    let published = format!("{}.published", db.schema.quoted());
+    for round in 1..=2usize {
+        if round == 2 {
+            // The seqs start over under the 100 rows kept in `published`.
+            db.client
+                .batch_execute(&format!(
+                    "SELECT setval(pg_get_serial_sequence('{}', 'seq'), 1, false)",
+                    db.table()
+                ))
+                .await
+                .expect("set the sequence back");
+        }
+        let msgs: Vec<Message> = outbox_tests::workload::json_over_keys(&rabbit.exchange, 100, 5);
+        outbox
+            .enqueue_batch(&db.client, &msgs)
+            .await
+            .expect("enqueue");
+        assert!(
+            eventually(Duration::from_secs(60), || async {
+                db.pending().await == 0
+            })
+            .await,
+            "round {round}: {} rows never settled as the relay's role",
+            db.pending().await
+        );
+        let kept: i64 = db
+            .client
+            .query_one(
+                format!("SELECT count(*) FROM {published} WHERE seq <= 100").as_str(),
+                &[],
+            )
+            .await
+            .expect("kept rows")
+            .get(0);
+        assert_eq!(kept, 100, "round {round}");
+    }
+    // Each message once: no settle rolled back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ids = rabbit.message_ids();
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), 200);
+    assert_eq!(ids.len(), 200, "{} copies beyond the first", ids.len() - 200);
+    relay.stop().await;
+    rabbit.cleanup().await;
+    let _ = db
+        .client
+        .batch_execute(&format!(
+            "DROP SCHEMA {} CASCADE; DROP ROLE {relay_user};",
             db.schema.quoted()
         ))
         .await;

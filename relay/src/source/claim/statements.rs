@@ -276,23 +276,22 @@ impl Queries {
             // A kept row under the same seq is from before the sequence was
             // set back (`TRUNCATE ... RESTART IDENTITY`, `setval`): the
             // newer row replaces it, or the settle would fail, roll back,
-            // and its batch go out again at every claim.
+            // and its batch go out again at every claim. It is deleted
+            // (`stale`) rather than updated by ON CONFLICT, which Postgres
+            // checks against UPDATE rights at every call, and roles.sql's
+            // relay role has none on `published`. The one-time filter on
+            // `stale` runs its delete whole before the first row is inserted.
             retain: retain.then(|| {
                 format!(
                     "WITH r AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS r(seq, receipt)), \
-                     moved AS (DELETE FROM {t} m USING r WHERE m.seq = r.seq RETURNING m.*, r.receipt) \
+                     moved AS (DELETE FROM {t} m USING r WHERE m.seq = r.seq RETURNING m.*, r.receipt), \
+                     stale AS (DELETE FROM {pb} p USING moved WHERE p.seq = moved.seq RETURNING 1) \
                      INSERT INTO {pb} (seq, message_id, destination, ordering_key, routing_key, headers, \
                                        payload, content_type, event_type, created_at, attempts, published_at, receipt) \
                      SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
                             content_type, event_type, created_at, attempts, statement_timestamp(), receipt::jsonb \
                      FROM moved \
-                     ON CONFLICT (seq) DO UPDATE SET message_id = EXCLUDED.message_id, \
-                        destination = EXCLUDED.destination, ordering_key = EXCLUDED.ordering_key, \
-                        routing_key = EXCLUDED.routing_key, headers = EXCLUDED.headers, \
-                        payload = EXCLUDED.payload, content_type = EXCLUDED.content_type, \
-                        event_type = EXCLUDED.event_type, created_at = EXCLUDED.created_at, \
-                        attempts = EXCLUDED.attempts, published_at = EXCLUDED.published_at, \
-                        receipt = EXCLUDED.receipt"
+                     WHERE (SELECT count(*) FROM stale) >= 0"
                 )
             }),
             // SKIP LOCKED: two replicas cleaning at once split the work instead
