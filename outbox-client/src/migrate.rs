@@ -104,7 +104,9 @@ const MIGRATIONS: &[(&str, &str)] = &[
 /// the schema name serializes them (the same key as the session lock of
 /// earlier versions, so those wait too), and the later callers find nothing
 /// left to apply. The transaction's `search_path` is the schema (the
-/// migrations create unqualified objects) and ends with it.
+/// migrations create unqualified objects) and ends with it. Versions
+/// applied by a newer release are passed over: an instance a release
+/// behind still starts during a rolling deploy or after a rollback.
 #[cfg(feature = "migrate")]
 pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
     let schema = SchemaName::new(schema)?;
@@ -132,7 +134,12 @@ pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
         q = schema.quoted()
     ))
     .await?;
+    // A version applied that this release does not know is a newer
+    // release's (a rolling deploy, a rollback): the migrations are
+    // additive, so this one runs on that schema and goes on, where
+    // refinery's default would refuse to start.
     Runner::new(&migrations)
+        .set_abort_missing(false)
         .run_async(&mut InOne(&tx))
         .await
         .map_err(Error::Migration)?;

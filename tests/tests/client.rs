@@ -643,3 +643,44 @@ async fn the_notify_trigger_signals_its_channel_when_the_callers_path_overrides_
     db.drop_empty_decoy(&decoy, "messages").await;
     db.cleanup().await;
 }
+
+/// During a rolling deploy, or after a rollback, an instance of the
+/// release before restarts on a schema the new release has migrated:
+/// its `migrate()` finds a version it does not know applied, and (the
+/// migrations being additive) goes on. refinery's default refused it
+/// ("missing version"), so the older instance could not start.
+#[tokio::test]
+async fn migrate_goes_on_where_a_newer_release_has_migrated_further() {
+    let db = TestDb::new().await;
+    let history = format!("{}.refinery_schema_history", db.schema.quoted());
+    db.client
+        .execute(
+            format!(
+                "INSERT INTO {history} (version, name, applied_on, checksum) \
+                 VALUES (100000, 'from_a_newer_release', $1, '1')"
+            )
+            .as_str(),
+            &[&"2026-12-07T00:00:00Z"],
+        )
+        .await
+        .expect("a newer release's history row");
+    let mut client = outbox_tests::db::connect(&db.config).await;
+    outbox_client::migrate(&mut client, db.schema.as_str())
+        .await
+        .expect("an older release migrates on a newer schema");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay-under-test"))
+        .args(["migrate"])
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .output()
+        .await
+        .expect("outbox-relay migrate");
+    assert!(
+        out.status.success(),
+        "outbox-relay migrate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = Message::builder("d").payload("x").build().expect("valid");
+    db.outbox().enqueue(&db.client, &m).await.expect("enqueue");
+    db.cleanup().await;
+}
