@@ -204,6 +204,11 @@ impl InProcessRelay {
                     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                     .collect(),
                 message_timeout: std::time::Duration::from_secs(10),
+                in_flight: outbox_relay::publish::kafka::InFlight {
+                    pipeline: settings.pipeline,
+                    batch_size: usize::try_from(settings.batch_size).unwrap_or(usize::MAX),
+                    batch_bytes: usize::try_from(settings.batch_max_bytes).unwrap_or(usize::MAX),
+                },
             },
         )
         .expect("valid kafka settings");

@@ -239,6 +239,7 @@ async fn kafka_conforms() {
             brokers: brokers.clone(),
             properties: vec![],
             message_timeout: Duration::from_secs(3),
+            in_flight: Default::default(),
         })
         .expect("producer"),
         proxy,

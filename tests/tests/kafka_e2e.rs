@@ -374,6 +374,7 @@ async fn a_new_producer_on_a_quick_link_does_not_wait_for_its_first_statistics()
         brokers: brokers.clone(),
         properties: vec![("statistics.interval.ms".into(), "600000".into())],
         message_timeout: Duration::from_secs(120),
+        in_flight: Default::default(),
     })
     .expect("producer");
     let batch = outbox_tests::envelopes(&kafka.topic, 10, 3);
@@ -404,6 +405,7 @@ async fn a_batch_before_the_producer_is_set_up_comes_back_unsent() {
         brokers: brokers.clone(),
         properties: Vec::new(),
         message_timeout: Duration::from_secs(3),
+        in_flight: Default::default(),
     })
     .expect("producer");
     let batch = outbox_tests::envelopes(&kafka.topic, 10, 3);
@@ -590,6 +592,52 @@ async fn a_row_for_a_topic_name_kafka_cannot_have_is_dead_lettered_alone() {
     assert_eq!(db.pending().await, 0);
     relay.signal("TERM").await;
     assert_eq!(relay.wait().await, Some(0), "clean exit on SIGTERM");
+    kafka.stop().await;
+    db.cleanup().await;
+}
+
+/// librdkafka's local queue passed through far smaller than the window
+/// (100 records against 3 batches of 500): a record that finds it full
+/// waits for room, and every record goes once. Before, QUEUE_FULL failed
+/// the batch as an outage mid-way, and the retry sent its first records,
+/// already queued, again.
+#[tokio::test]
+async fn a_producer_queue_smaller_than_the_window_makes_records_wait_not_repeat() {
+    let started = std::time::Instant::now();
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 8).await;
+    let db = TestDb::new().await;
+    let mut spec = Spec::new(&kafka.topic, 4, 200, 20_000);
+    spec.rollback_percent = 0;
+    spec.max_per_tx = 500;
+    spec.max_commit_delay = Duration::ZERO;
+    let written = workload::run(&db.config, &db.outbox(), &spec).await;
+    let relay = InProcessRelay::kafka(
+        &db,
+        &brokers,
+        &[("queue.buffering.max.messages", "100")],
+        fast_settings(),
+    );
+    assert!(
+        eventually(PATIENCE, || async {
+            all_seen(&written, &seen_kafka(&kafka.records()))
+        })
+        .await,
+        "only {} records for {} committed messages",
+        kafka.count(),
+        written.committed.len()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let report = check(&written, &seen_kafka(&kafka.records()));
+    outbox_tests::check::judge(
+        TMP,
+        "kafka: a 100-record producer queue under 3 x 500",
+        &report,
+        started,
+        Some(0),
+    );
+    relay.stop().await;
     kafka.stop().await;
     db.cleanup().await;
 }

@@ -135,6 +135,7 @@ fn publisher_to(
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect(),
         message_timeout: Duration::from_secs(30),
+        in_flight: Default::default(),
     })
     .expect("producer");
     let consumer = Fixture::consume(&mock.bootstrap_servers(), topic, partitions);

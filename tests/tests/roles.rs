@@ -195,7 +195,12 @@ async fn retention_as_the_relay_role_settles_each_row_once() {
     let ids = rabbit.message_ids();
     let distinct: std::collections::HashSet<&String> = ids.iter().collect();
     assert_eq!(distinct.len(), 200);
-    assert_eq!(ids.len(), 200, "{} copies beyond the first", ids.len() - 200);
+    assert_eq!(
+        ids.len(),
+        200,
+        "{} copies beyond the first",
+        ids.len() - 200
+    );
     relay.stop().await;
     rabbit.cleanup().await;
     let _ = db

@@ -220,6 +220,7 @@ async fn kafka_ssl_through_pass_through_properties() {
             ("ssl.ca.location".into(), other),
         ],
         message_timeout: Duration::from_secs(3),
+        in_flight: Default::default(),
     })
     .expect("producer");
     assert!(

@@ -221,6 +221,35 @@ impl RunArgs {
                 ),
             });
         }
+        for (flag, wait, what) in [
+            (
+                "--confirm-timeout",
+                self.confirm_timeout,
+                "every broker set-up and batch would time out at once (and librdkafka reads 0 as no timeout)",
+            ),
+            (
+                "--retry-base",
+                self.retry_base,
+                "a rejected message would be sent again at once, in a loop",
+            ),
+            (
+                "--retry-max",
+                self.retry_max,
+                "a rejected message would be sent again at once, in a loop",
+            ),
+            (
+                "--reconnect-max",
+                self.reconnect_max,
+                "an outage would be met by reconnecting in a busy loop",
+            ),
+        ] {
+            if wait < Duration::from_millis(1) {
+                return Err(ConfigError {
+                    flag,
+                    reason: format!("{} is under 1ms: {what}", humantime::format_duration(wait)),
+                });
+            }
+        }
         for (flag, pause) in [
             ("--poll-interval", self.poll_interval),
             ("--poll-min", self.poll_min),
@@ -265,11 +294,46 @@ impl RunArgs {
                 connect_timeout: Duration::from_secs(10),
                 ca_pem,
             }),
-            BrokerKind::Kafka => Broker::Kafka(crate::publish::kafka::KafkaSettings {
-                brokers: self.kafka_brokers.clone(),
-                properties: kafka_properties,
-                message_timeout: self.confirm_timeout,
-            }),
+            BrokerKind::Kafka => {
+                let kafka = crate::publish::kafka::KafkaSettings {
+                    brokers: self.kafka_brokers.clone(),
+                    properties: kafka_properties,
+                    message_timeout: self.confirm_timeout,
+                    in_flight: crate::publish::kafka::InFlight {
+                        pipeline: usize::from(self.pipeline),
+                        batch_size: usize::try_from(self.batch_size).unwrap_or(usize::MAX),
+                        batch_bytes: usize::try_from(self.batch_max_bytes).unwrap_or(usize::MAX),
+                    },
+                };
+                kafka.check_queue().map_err(|e| ConfigError {
+                    flag: "--kafka-config",
+                    reason: e.to_string(),
+                })?;
+                // message.timeout.ms passed through replaces
+                // --confirm-timeout, and must keep within the hold limit
+                // as it would.
+                let timeout = kafka.clone().with_passed_through_timeout().message_timeout;
+                if timeout.is_zero() || self.hold_limit <= timeout {
+                    return Err(ConfigError {
+                        flag: "--kafka-config",
+                        reason: format!(
+                            "message.timeout.ms (or delivery.timeout.ms) of {} {}: librdkafka would \
+                             keep sending records whose rows the relay has released and sends again; \
+                             lower it or raise --hold-limit",
+                            humantime::format_duration(timeout),
+                            if timeout.is_zero() {
+                                "is no timeout at all".to_owned()
+                            } else {
+                                format!(
+                                    "is not under --hold-limit ({})",
+                                    humantime::format_duration(self.hold_limit)
+                                )
+                            }
+                        ),
+                    });
+                }
+                Broker::Kafka(kafka)
+            }
         };
         let cloudevents = match (self.cloudevents, &self.cloudevents_source) {
             (true, Some(source)) => Some(
@@ -382,6 +446,91 @@ mod tests {
         };
         let err = args.into_config().map(|_| ()).expect_err("rejected");
         assert_eq!(err.flag, "--hold-limit");
+    }
+
+    fn config_of(argv: &[&str]) -> Result<Config, ConfigError> {
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from(argv)
+        else {
+            panic!("flags parse: {argv:?}");
+        };
+        args.into_config()
+    }
+
+    #[test]
+    fn zero_waits_that_would_loop_or_time_out_at_once_are_refused() {
+        for flag in [
+            "--confirm-timeout",
+            "--retry-base",
+            "--retry-max",
+            "--reconnect-max",
+        ] {
+            let err = config_of(&["outbox-relay", "run", flag, "0s"])
+                .map(|_| ())
+                .expect_err(flag);
+            assert_eq!(err.flag, flag);
+            assert!(err.reason.contains("under 1ms"), "{}", err.reason);
+        }
+        assert!(config_of(&["outbox-relay", "run", "--reconnect-max", "1ms"]).is_ok());
+    }
+
+    /// A Kafka timeout passed through (the Java client's
+    /// delivery.timeout.ms of 120 s is often copied) replaces
+    /// --confirm-timeout, so the hold limit must exceed it as it would.
+    #[test]
+    fn a_passed_through_kafka_timeout_must_keep_within_the_hold_limit() {
+        for timeout in ["delivery.timeout.ms=120000", "message.timeout.ms=0"] {
+            let err = config_of(&[
+                "outbox-relay",
+                "run",
+                "--broker",
+                "kafka",
+                "--kafka-config",
+                timeout,
+            ])
+            .map(|_| ())
+            .expect_err(timeout);
+            assert_eq!(err.flag, "--kafka-config", "{timeout}");
+            assert!(err.reason.contains("--hold-limit"), "{}", err.reason);
+        }
+        assert!(config_of(&[
+            "outbox-relay",
+            "run",
+            "--broker",
+            "kafka",
+            "--kafka-config",
+            "delivery.timeout.ms=120000",
+            "--hold-limit",
+            "5m",
+        ])
+        .is_ok());
+    }
+
+    #[test]
+    fn a_kafka_queue_too_small_for_one_record_is_refused_at_start_up() {
+        let Ok(Cli {
+            command: Command::Run(args),
+            ..
+        }) = Cli::try_parse_from([
+            "outbox-relay",
+            "run",
+            "--broker",
+            "kafka",
+            "--kafka-config",
+            "message.max.bytes=100000000,queue.buffering.max.kbytes=65536",
+        ])
+        else {
+            panic!("flags parse");
+        };
+        let err = args.into_config().map(|_| ()).expect_err("rejected");
+        assert_eq!(err.flag, "--kafka-config");
+        assert!(
+            err.reason.contains("queue.buffering.max.kbytes=65536"),
+            "{}",
+            err.reason
+        );
     }
 
     #[test]

@@ -296,6 +296,11 @@ async fn kafka(args: &Args) -> anyhow::Result<()> {
         brokers: brokers.clone(),
         properties: Vec::new(),
         message_timeout: Duration::from_secs(30),
+        in_flight: outbox_relay::publish::kafka::InFlight {
+            pipeline: args.pipeline,
+            batch_size: args.batch,
+            ..Default::default()
+        },
     };
     let producer: FutureProducer = settings.client_config().create()?;
     let window = args.batch * args.pipeline;

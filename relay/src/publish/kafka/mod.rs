@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use futures::channel::oneshot;
 use futures::future::join_all;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::{BaseRecord, Producer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
 use super::cloudevents::CloudEvents;
 use super::pace::{alone_too_slow, Pace};
@@ -42,7 +42,7 @@ mod silent;
 
 use producer::KafkaProducer;
 use record::{headers, is_batch_refusal, is_size_refusal, rejection};
-pub use settings::{is_secret, KafkaSettings};
+pub use settings::{is_secret, InFlight, KafkaSettings, QueueTooSmall};
 pub use silent::murmur2_partition;
 use silent::{Held, Silent};
 
@@ -87,11 +87,7 @@ impl KafkaPublisher {
         let predictable = config.get("partitioner") == Some(silent::PREDICTABLE);
         // As librdkafka reads it (hex, suffixes), its default when unset;
         // none known if it cannot say.
-        let max_message_bytes = config
-            .create_native_config()
-            .ok()
-            .and_then(|native| native.get("message.max.bytes").ok())
-            .and_then(|v| v.parse().ok());
+        let max_message_bytes = settings::native(&config, "message.max.bytes");
         Ok(KafkaPublisher {
             silent: Silent::new(settings.message_timeout),
             settings,
@@ -182,7 +178,7 @@ impl KafkaPublisher {
         &self,
         env: &'e Envelope,
         report: oneshot::Sender<producer::Report>,
-    ) -> BaseRecord<'e, [u8], [u8], Box<oneshot::Sender<producer::Report>>> {
+    ) -> Record<'e> {
         let mut record = BaseRecord::with_opaque_to(&env.destination, Box::new(report))
             .payload(env.payload.as_slice())
             .headers(headers(env, self.cloudevents.as_ref()));
@@ -277,7 +273,7 @@ impl KafkaPublisher {
             if let Some(p) = partition {
                 record = record.partition(p);
             }
-            match producer.inner.send(record) {
+            match queue(&producer.inner, record, deadline).await {
                 Ok(()) => {
                     sent += env.payload.len();
                     handed_over.push(i);
@@ -520,6 +516,36 @@ where
     done
 }
 
+/// How long a record refused for want of room in librdkafka's local queue
+/// waits before it is handed over again.
+const QUEUE_ROOM_WAIT: Duration = Duration::from_millis(2);
+
+/// Hands `record` to `producer`, waiting for room in its local queue while
+/// it is full (QUEUE_FULL: records of earlier batches not yet delivered,
+/// or a queue passed through smaller than the window) until `deadline`.
+/// Giving up at once would fail the batch as an outage and send again the
+/// records of it already queued.
+async fn queue<'e>(
+    producer: &BaseProducer<producer::Deliveries>,
+    mut record: Record<'e>,
+    deadline: Instant,
+) -> Result<(), (KafkaError, Record<'e>)> {
+    loop {
+        match producer.send(record) {
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                if Instant::now() + QUEUE_ROOM_WAIT < deadline =>
+            {
+                record = back;
+                tokio::time::sleep(QUEUE_ROOM_WAIT).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// A record as the relay hands it to librdkafka.
+type Record<'e> = BaseRecord<'e, [u8], [u8], Box<oneshot::Sender<producer::Report>>>;
+
 /// The topics of `batch`, each once, in the order they first appear.
 fn topics_of<'b>(batch: impl Iterator<Item = &'b Envelope>) -> Vec<&'b str> {
     let mut topics: Vec<&str> = Vec::new();
@@ -658,6 +684,7 @@ mod tests {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
             message_timeout: Duration::from_secs(5),
+            in_flight: InFlight::default(),
         })
         .expect("producer")
         .max_payload_bytes()

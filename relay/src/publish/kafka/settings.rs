@@ -15,6 +15,59 @@ pub struct KafkaSettings {
     /// `message.timeout.ms`: how long librdkafka keeps retrying a record before
     /// reporting it failed. The batch is then retried by the relay.
     pub message_timeout: Duration,
+    /// What the relay may hand to librdkafka at once; its local queue is
+    /// sized to hold it (see [`InFlight`]).
+    pub in_flight: InFlight,
+}
+
+/// The most the relay hands to librdkafka at once: `pipeline` batches, each
+/// of at most `batch_size` records and `batch_bytes` of payload (or one
+/// larger record alone). librdkafka refuses a record its local queue has no
+/// room for (QUEUE_FULL), and the relay takes that as an outage and sends the
+/// batch again; so the queue must hold the whole window, and any one record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlight {
+    /// `--pipeline`.
+    pub pipeline: usize,
+    /// `--batch-size`.
+    pub batch_size: usize,
+    /// `--batch-max-bytes`.
+    pub batch_bytes: usize,
+}
+
+impl Default for InFlight {
+    /// The relay's own defaults: 3 batches of 500 records and 8 MiB.
+    fn default() -> Self {
+        InFlight {
+            pipeline: 3,
+            batch_size: 500,
+            batch_bytes: 8 << 20,
+        }
+    }
+}
+
+/// librdkafka's local queue, as the relay sizes it unless told otherwise: at
+/// least this many records...
+const QUEUE_RECORDS: usize = 100_000;
+/// ...and KiB. librdkafka's own default is 1 GiB; a relay never needs more
+/// than its batches in flight, and the backlog belongs in Postgres.
+const QUEUE_KIB: usize = 64 << 10;
+/// The largest either property takes.
+const QUEUE_MAX: usize = i32::MAX as usize;
+
+/// `queue.buffering.max.kbytes` passed through, too small for the largest
+/// record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{property}={value} is too small: {needed}; raise it (--kafka-config) or lower {flags}")]
+pub struct QueueTooSmall {
+    /// The property.
+    pub property: &'static str,
+    /// Its value as librdkafka reads it.
+    pub value: usize,
+    /// What it must hold, and why.
+    pub needed: String,
+    /// The relay's flags that set what it must hold.
+    pub flags: &'static str,
 }
 
 /// Property names whose values are secrets.
@@ -84,10 +137,6 @@ impl KafkaSettings {
                 "message.timeout.ms",
                 self.message_timeout.as_millis().to_string(),
             )
-            // librdkafka's default local queue is 1 GiB; a relay never needs more
-            // than its batches in flight, and the backlog belongs in Postgres.
-            .set("queue.buffering.max.kbytes", "65536")
-            .set("queue.buffering.max.messages", "100000")
             // A claimed batch is produced all at once, so a longer linger
             // only delays it: 5 ms (librdkafka's default) added 4-6 ms to
             // p99 at 1,000 msg/s, and a backlog drain was no faster for it.
@@ -101,8 +150,82 @@ impl KafkaSettings {
         for (k, v) in &self.properties {
             c.set(k, v);
         }
+        // librdkafka's local queue, unless passed through: room for the
+        // window twice over (a batch given up at its deadline keeps its
+        // records there until their timeout, beside the batches after it),
+        // never less than librdkafka's usual 100,000 records nor more than
+        // it takes, and no more bytes than that needs: the backlog belongs
+        // in Postgres.
+        if !self.passed("queue.buffering.max.messages") {
+            let records = self
+                .in_flight
+                .records()
+                .saturating_mul(2)
+                .clamp(QUEUE_RECORDS, QUEUE_MAX);
+            c.set("queue.buffering.max.messages", records.to_string());
+        }
+        if !self.passed("queue.buffering.max.kbytes") {
+            let bytes = (self.in_flight.bytes(native(&c, "message.max.bytes"))).saturating_mul(2);
+            let kib = bytes.div_ceil(1024).clamp(QUEUE_KIB, QUEUE_MAX);
+            c.set("queue.buffering.max.kbytes", kib.to_string());
+        }
         c
     }
+
+    /// Whether `property` is among those passed through.
+    fn passed(&self, property: &str) -> bool {
+        self.properties.iter().any(|(k, _)| k.trim() == property)
+    }
+
+    /// Refuses a local queue passed through that cannot hold the largest
+    /// record the relay may send (`message.max.bytes`): librdkafka would
+    /// refuse it QUEUE_FULL however long it waited, and it would stall its
+    /// key for good. A queue smaller than the window only makes batches wait
+    /// for room (see `KafkaPublisher::publish_until`).
+    pub fn check_queue(&self) -> Result<(), QueueTooSmall> {
+        let c = self.client_config();
+        let (Some(largest), Some(kib)) = (
+            native(&c, "message.max.bytes"),
+            native(&c, "queue.buffering.max.kbytes"),
+        ) else {
+            return Ok(());
+        };
+        if kib.saturating_mul(1024) < largest {
+            return Err(QueueTooSmall {
+                property: "queue.buffering.max.kbytes",
+                value: kib,
+                needed: format!(
+                    "it must hold the largest record the relay sends, message.max.bytes ({largest} \
+                     bytes), or a record that size would wait for room for good"
+                ),
+                flags: "message.max.bytes",
+            });
+        }
+        Ok(())
+    }
+}
+
+impl InFlight {
+    /// Records at once.
+    fn records(&self) -> usize {
+        self.pipeline.saturating_mul(self.batch_size)
+    }
+
+    /// Payload bytes at once, with records of up to `largest` bytes.
+    fn bytes(&self, largest: Option<usize>) -> usize {
+        self.pipeline
+            .saturating_mul(self.batch_bytes.max(largest.unwrap_or(0)))
+    }
+}
+
+/// `property` as librdkafka reads it from `config` (hex, suffixes, its
+/// default when unset); none if it cannot say.
+pub(super) fn native(config: &ClientConfig, property: &str) -> Option<usize> {
+    config
+        .create_native_config()
+        .ok()
+        .and_then(|n| n.get(property).ok())
+        .and_then(|v| v.parse().ok())
 }
 
 #[cfg(test)]
@@ -117,30 +240,74 @@ mod tests {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
             message_timeout: Duration::from_secs(30),
+            in_flight: InFlight::default(),
         }
         .with_passed_through_timeout()
     }
 
+    fn window(pipeline: usize, batch_size: usize, batch_bytes: usize) -> InFlight {
+        InFlight {
+            pipeline,
+            batch_size,
+            batch_bytes,
+        }
+    }
+
+    /// The queue as librdkafka reads it: records and KiB.
+    fn queue(s: &KafkaSettings) -> (Option<usize>, Option<usize>) {
+        let c = s.client_config();
+        (
+            native(&c, "queue.buffering.max.messages"),
+            native(&c, "queue.buffering.max.kbytes"),
+        )
+    }
+
     #[test]
-    fn a_passed_through_message_timeout_is_the_one_the_relay_counts() {
-        assert_eq!(with(&[]).message_timeout, Duration::from_secs(30));
-        let s = with(&[("message.timeout.ms", "1500")]);
-        assert_eq!(s.message_timeout, Duration::from_millis(1500));
+    fn the_local_queue_holds_whatever_window_the_flags_allow() {
+        // The defaults: librdkafka's usual 100,000 records, 64 MiB.
+        assert_eq!(queue(&with(&[])), (Some(100_000), Some(65_536)));
+        assert_eq!(with(&[]).check_queue(), Ok(()));
+        // The largest window the flags take: 32 batches of 10,000 records
+        // and 8 MiB, which the fixed 100,000 records and 64 MiB refused.
+        let mut widest = with(&[]);
+        widest.in_flight = window(32, 10_000, 8 << 20);
+        let (records, kib) = queue(&widest);
+        assert!(records.is_some_and(|r| r >= 320_000), "{records:?}");
+        assert!(kib.is_some_and(|k| k >= (32 * 8) << 10), "{kib:?}");
+        assert_eq!(widest.check_queue(), Ok(()));
+        // A record as large as message.max.bytes goes alone, above
+        // --batch-max-bytes: the queue takes pipeline of them.
+        let mut large = with(&[("message.max.bytes", "100000000")]);
+        large.in_flight = window(3, 500, 1 << 20);
+        let (_, kib) = queue(&large);
+        assert!(kib.is_some_and(|k| k * 1024 >= 300_000_000), "{kib:?}");
+        assert_eq!(large.check_queue(), Ok(()));
+    }
+
+    #[test]
+    fn a_queue_passed_through_too_small_for_one_record_is_refused_naming_it() {
+        // Smaller than the window: batches wait for room, nothing refused.
+        let small = with(&[("queue.buffering.max.messages", "100")]);
+        assert_eq!(queue(&small).0, Some(100), "passed through as given");
+        assert_eq!(small.check_queue(), Ok(()));
+        // One record larger than the whole queue could never be queued.
+        let err = with(&[
+            ("message.max.bytes", "100000000"),
+            ("queue.buffering.max.kbytes", "65536"),
+        ])
+        .check_queue()
+        .expect_err("100 MB records in a 64 MiB queue");
+        assert_eq!(err.property, "queue.buffering.max.kbytes");
+        assert_eq!(err.value, 65_536);
+        assert!(err.to_string().contains("100000000"), "{err}");
         assert_eq!(
-            s.client_config().get("message.timeout.ms"),
-            Some("1500"),
-            "and librdkafka's"
+            with(&[
+                ("message.max.bytes", "100000000"),
+                ("queue.buffering.max.kbytes", "97657"),
+            ])
+            .check_queue(),
+            Ok(()),
+            "97,657 KiB hold 100,000,000 bytes"
         );
-        let alias = with(&[
-            ("message.timeout.ms", "1500"),
-            ("delivery.timeout.ms", "9000"),
-        ]);
-        assert_eq!(
-            alias.message_timeout,
-            Duration::from_millis(9000),
-            "last wins"
-        );
-        let unparsed = with(&[("message.timeout.ms", "soon")]);
-        assert_eq!(unparsed.message_timeout, Duration::from_secs(30));
     }
 }

@@ -339,6 +339,7 @@ mod tests {
                 statistics.as_millis().to_string(),
             )],
             message_timeout,
+            in_flight: super::super::InFlight::default(),
         }
         .client_config();
         super::super::producer::KafkaProducer::new(&config).expect("producer")
