@@ -366,7 +366,7 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let grace = self.settings.shutdown_grace;
         tokio::select! {
             biased;
-            r = self.batch(db, look_first) => Some(r),
+            r = self.batch(db, look_first, shutdown) => Some(r),
             _ = async { shutdown.cancelled().await; tokio::time::sleep(grace).await } => None,
         }
     }
@@ -374,7 +374,16 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     /// One batch: claim, publish, settle. With `look_first` (the last
     /// claim found nothing), asks first whether a claim would find
     /// anything, and claims only if so.
-    async fn batch(&self, db: &mut S::Session, look_first: bool) -> Result<BatchEnd, BatchError> {
+    /// A batch still waiting for its rows to become durable when
+    /// `shutdown` comes is released unpublished: the barrier's session ends
+    /// with the shutdown, and nothing else could end that wait before the
+    /// grace.
+    async fn batch(
+        &self,
+        db: &mut S::Session,
+        look_first: bool,
+        shutdown: &CancellationToken,
+    ) -> Result<BatchEnd, BatchError> {
         let partitions = Arc::clone(&self.owned.borrow());
         if partitions.is_empty() {
             return Ok(BatchEnd::Empty { behind: false });
@@ -537,13 +546,17 @@ impl<P: Publisher, S: Store> Worker<P, S> {
         let durable = if flushed {
             Ok(true)
         } else {
-            tokio::time::timeout_at(deadline, self.durable.wait(seen)).await
+            tokio::select! {
+                durable = tokio::time::timeout_at(deadline, self.durable.wait(seen)) => durable,
+                _ = shutdown.cancelled() => Ok(false),
+            }
         };
         metrics::histogram!(crate::metrics::DURABLE_WAIT).record(seen.elapsed().as_secs_f64());
         match durable {
             Ok(true) => {}
             // The barrier's session reconnected since the claim (Postgres
-            // restarted or failed over): claim again.
+            // restarted or failed over): claim again. Or the relay is
+            // shutting down: the rows go back for the next run.
             Ok(false) => {
                 tx.rollback().await?;
                 return Ok(BatchEnd::Empty { behind: false });

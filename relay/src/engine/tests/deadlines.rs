@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{assert_key_order, enqueue_spread, start, Broker, Loop, MS};
+use super::{assert_key_order, enqueue_spread, start, start_with, Broker, Loop, MS};
 use crate::engine::Settings;
 use crate::health::Event;
 use crate::source::memory::MemoryStore;
@@ -88,6 +88,42 @@ async fn stop_mid_batch(settings: &Settings, answer_after: Duration) -> (Loop, D
         .await;
     let took = relay.stop().await;
     (relay, took)
+}
+
+/// A batch still waiting for its rows to become durable (a claim that
+/// could not show its commits flushed) when shutdown comes: the barrier's
+/// session ends with the shutdown, so nothing could end that wait. The
+/// batch is released at once, unpublished, instead of the worker sitting
+/// out the whole grace and then abandoning it.
+#[tokio::test(start_paused = true)]
+async fn a_batch_waiting_for_durability_at_shutdown_is_released_at_once() {
+    let settings = Settings::default();
+    // On, with no barrier session serving it: every claim waits.
+    let durable = crate::source::durable::Durable::new();
+    let relay = start_with(
+        settings.clone(),
+        MemoryStore::default(),
+        Broker::default(),
+        durable,
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    relay.store.enqueue("k", 100);
+    relay.idle.work.notify_one();
+    relay
+        .until(Duration::from_secs(1), |r| r.store.locked() == 1)
+        .await;
+    let took = relay.stop().await;
+    assert!(
+        took < 10 * MS,
+        "stopped after {took:?} (grace {:?})",
+        settings.shutdown_grace
+    );
+    assert_eq!((relay.store.waiting(), relay.store.locked()), (1, 0));
+    assert_eq!(
+        relay.broker.batches.load(Ordering::Relaxed),
+        0,
+        "nothing published"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -103,6 +103,21 @@ struct Loop {
 }
 
 fn start(settings: Settings, store: MemoryStore, broker: Broker) -> Loop {
+    start_with(
+        settings,
+        store,
+        broker,
+        crate::source::durable::Durable::off(),
+    )
+}
+
+/// [`start`] with `durable` as the workers' durability barrier.
+fn start_with(
+    settings: Settings,
+    store: MemoryStore,
+    broker: Broker,
+    durable: crate::source::durable::Durable,
+) -> Loop {
     let (owner, owned) = watch::channel(Arc::new((0..64).collect()));
     let broker = Arc::new(broker);
     let stats = Arc::new(Stats::default());
@@ -115,7 +130,7 @@ fn start(settings: Settings, store: MemoryStore, broker: Broker) -> Loop {
         settings,
         stats: Arc::clone(&stats),
         floor: Arc::new(Floor::default()),
-        durable: Arc::new(crate::source::durable::Durable::off()),
+        durable: Arc::new(durable),
         idle: idle.clone(),
         owned,
     }
