@@ -116,6 +116,25 @@ pub enum Error {
     #[cfg(feature = "migrate")]
     #[error("migration failed")]
     Migration(#[source] refinery::Error),
+    /// A pending migration could not take the table lock it needs: other
+    /// transactions (the relay's batches, a long report, a forgotten
+    /// `BEGIN`) held the table each time it tried, for as long as
+    /// [`crate::migrate`] keeps trying. Nothing was applied.
+    #[cfg(feature = "migrate")]
+    #[error(
+        "outbox schema {schema:?}: a pending migration could not lock its table in {waited:?} of \
+         tries; find the long transactions in pg_stat_activity (or pause the relay) and run the \
+         migrations again"
+    )]
+    MigrationLockBusy {
+        /// The schema being migrated.
+        schema: String,
+        /// How long it kept trying.
+        waited: std::time::Duration,
+        /// The last lock timeout.
+        #[source]
+        source: tokio_postgres::Error,
+    },
 }
 
 /// A driver's error behind [`Error::SchemaMissing`] and

@@ -107,6 +107,14 @@ const MIGRATIONS: &[(&str, &str)] = &[
 /// migrations create unqualified objects) and ends with it. Versions
 /// applied by a newer release are passed over: an instance a release
 /// behind still starts during a rolling deploy or after a rollback.
+///
+/// A pending migration that needs a table's lock while other transactions
+/// hold the table (the relay's batches in flight, a long report) waits for
+/// it at most a second, then gives way and tries again after a pause, for
+/// up to two minutes ([`Error::MigrationLockBusy`] after that): the
+/// application's inserts, which queue behind a waiting lock request, go
+/// through in between instead of stalling for as long as the longest
+/// transaction runs.
 #[cfg(feature = "migrate")]
 pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
     let schema = SchemaName::new(schema)?;
@@ -115,7 +123,64 @@ pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
         .map(|(name, sql)| Migration::unapplied(name, sql))
         .collect::<Result<Vec<_>, _>>()
         .map_err(Error::Migration)?;
+    let started = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        match migrate_once(client, &schema, &migrations).await {
+            Err(Once::LockBusy(source)) => {
+                let waited = started.elapsed();
+                if waited >= LOCK_PATIENCE {
+                    return Err(Error::MigrationLockBusy {
+                        schema: schema.to_string(),
+                        waited,
+                        source,
+                    });
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(5));
+            }
+            Err(Once::Failed(e)) => return Err(e),
+            Ok(()) => return Ok(()),
+        }
+    }
+}
 
+/// How long one migration statement waits for a table lock before the
+/// attempt gives way. A statement waiting for a lock makes every later
+/// request for that table wait behind it: the application's inserts too,
+/// for as long as the transactions ahead of it (the relay's batches in
+/// flight, a report) stay open. Giving way after this long bounds that.
+#[cfg(feature = "migrate")]
+const LOCK_TIMEOUT: &str = "1s";
+
+/// How long [`migrate`] keeps trying, with pauses between the attempts
+/// that let the waiting inserts through.
+#[cfg(feature = "migrate")]
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// How one attempt of [`migrate`] ended, if not applied.
+#[cfg(feature = "migrate")]
+enum Once {
+    /// A migration's statement gave way to a table lock held elsewhere;
+    /// nothing was applied.
+    LockBusy(tokio_postgres::Error),
+    Failed(Error),
+}
+
+#[cfg(feature = "migrate")]
+impl From<tokio_postgres::Error> for Once {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Once::Failed(e.into())
+    }
+}
+
+/// One transaction: every pending migration, or none.
+#[cfg(feature = "migrate")]
+async fn migrate_once(
+    client: &mut Client,
+    schema: &SchemaName,
+    migrations: &[Migration],
+) -> Result<(), Once> {
     // READ COMMITTED whatever the server's default: a caller that waited
     // for the lock must see what the holder committed.
     let tx = client
@@ -129,8 +194,11 @@ pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
         &[(&lock_key, tokio_postgres::types::Type::TEXT)],
     )
     .await?;
+    // After the advisory lock, whose wait for another migrator is not
+    // bounded: only the tables' locks give way.
     tx.batch_execute(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {q}; SET LOCAL search_path TO {q}",
+        "CREATE SCHEMA IF NOT EXISTS {q}; SET LOCAL search_path TO {q}; \
+         SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'",
         q = schema.quoted()
     ))
     .await?;
@@ -138,20 +206,37 @@ pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
     // release's (a rolling deploy, a rollback): the migrations are
     // additive, so this one runs on that schema and goes on, where
     // refinery's default would refuse to start.
-    Runner::new(&migrations)
+    let mut runner = InOne {
+        tx: &tx,
+        lock_busy: None,
+    };
+    let ran = Runner::new(migrations)
         .set_abort_missing(false)
-        .run_async(&mut InOne(&tx))
-        .await
-        .map_err(Error::Migration)?;
-    tx.commit().await?;
-    Ok(())
+        .run_async(&mut runner)
+        .await;
+    let lock_busy = runner.lock_busy.take();
+    match (ran, lock_busy) {
+        (Ok(_), _) => {
+            tx.commit().await?;
+            Ok(())
+        }
+        (Err(_), Some(busy)) => {
+            tx.rollback().await?;
+            Err(Once::LockBusy(busy))
+        }
+        (Err(e), None) => Err(Once::Failed(Error::Migration(e))),
+    }
 }
 
 /// refinery's runner inside one open transaction: its statements go out as
 /// simple queries (no prepared statement a pooler could lose between
 /// server connections), and a failed migration fails the whole transaction.
 #[cfg(feature = "migrate")]
-struct InOne<'t, 'c>(&'t tokio_postgres::Transaction<'c>);
+struct InOne<'t, 'c> {
+    tx: &'t tokio_postgres::Transaction<'c>,
+    /// The lock timeout a statement met, if one did.
+    lock_busy: Option<tokio_postgres::Error>,
+}
 
 /// Why [`InOne`] could not run a statement or read refinery's history.
 #[cfg(feature = "migrate")]
@@ -161,6 +246,8 @@ enum InOneError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("refinery_schema_history has a row that does not parse: {0}")]
     History(String),
+    #[error("a table lock was held elsewhere past the lock timeout")]
+    LockBusy,
 }
 
 #[cfg(feature = "migrate")]
@@ -173,7 +260,13 @@ impl refinery_core::traits::r#async::AsyncTransaction for InOne<'_, '_> {
     ) -> Result<usize, Self::Error> {
         let mut count = 0;
         for query in queries {
-            self.0.batch_execute(query).await?;
+            if let Err(e) = self.tx.batch_execute(query).await {
+                if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+                    self.lock_busy = Some(e);
+                    return Err(InOneError::LockBusy);
+                }
+                return Err(e.into());
+            }
             count += 1;
         }
         Ok(count)
@@ -184,7 +277,7 @@ impl refinery_core::traits::r#async::AsyncTransaction for InOne<'_, '_> {
 impl refinery_core::traits::r#async::AsyncQuery<Vec<Migration>> for InOne<'_, '_> {
     async fn query(&mut self, query: &str) -> Result<Vec<Migration>, Self::Error> {
         let mut applied = Vec::new();
-        for message in self.0.simple_query(query).await? {
+        for message in self.tx.simple_query(query).await? {
             let tokio_postgres::SimpleQueryMessage::Row(row) = message else {
                 continue;
             };

@@ -684,3 +684,80 @@ async fn migrate_goes_on_where_a_newer_release_has_migrated_further() {
     db.outbox().enqueue(&db.client, &m).await.expect("enqueue");
     db.cleanup().await;
 }
+
+/// An app's start-up `migrate()` while another transaction holds the
+/// outbox table (a relay's batch in flight to a slow broker, a report):
+/// a pending migration that needs the table's lock gives way and tries
+/// again, so the app's inserts, which queue behind its lock request, go
+/// through meanwhile, and it applies once the table is free. Before, its
+/// request waited for as long as the holder ran, and every insert with it.
+#[tokio::test]
+async fn a_pending_migration_behind_a_long_transaction_lets_the_writers_through() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    // V18 pending again: it adds a constraint to messages, under an
+    // ACCESS EXCLUSIVE lock.
+    db.client
+        .batch_execute(&format!(
+            "DELETE FROM {s}.refinery_schema_history WHERE version >= 18; \
+             ALTER TABLE {s}.messages DROP CONSTRAINT messages_ordering_key_length"
+        ))
+        .await
+        .expect("V18 pending");
+    let holder = outbox_tests::db::connect(&db.config).await;
+    holder
+        .batch_execute(&format!("BEGIN; SELECT seq FROM {} FOR UPDATE", db.table()))
+        .await
+        .expect("a transaction holding the table");
+    let mut migrating = outbox_tests::db::connect(&db.config).await;
+    let schema = db.schema.to_string();
+    let migration =
+        tokio::spawn(async move { outbox_client::migrate(&mut migrating, &schema).await });
+    let waiting = format!(
+        "SELECT count(*) FROM pg_locks WHERE NOT granted AND mode = 'AccessExclusiveLock' \
+         AND relation = '{}'::regclass",
+        db.table()
+    );
+    assert!(
+        outbox_tests::eventually(std::time::Duration::from_secs(30), || async {
+            let n: i64 = db
+                .client
+                .query_one(waiting.as_str(), &[])
+                .await
+                .expect("pg_locks")
+                .get(0);
+            n > 0
+        })
+        .await,
+        "the migration never asked for the table's lock"
+    );
+    let writer = outbox_tests::db::connect(&db.config).await;
+    let m = Message::builder("d").payload("x").build().expect("valid");
+    let inserted = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        db.outbox().enqueue(&writer, &m),
+    )
+    .await;
+    assert!(
+        inserted.is_ok(),
+        "the insert waited 60 s behind the migration's lock request"
+    );
+    inserted.expect("in time").expect("enqueue");
+    holder.batch_execute("COMMIT").await.expect("commit");
+    migration
+        .await
+        .expect("task")
+        .expect("migrated once the table was free");
+    let constraint: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_constraint WHERE conname = 'messages_ordering_key_length' \
+             AND conrelid = $1::text::regclass",
+            &[&db.table()],
+        )
+        .await
+        .expect("constraint")
+        .get(0);
+    assert_eq!(constraint, 1, "V18 applied");
+    db.cleanup().await;
+}
