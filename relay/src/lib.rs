@@ -97,7 +97,7 @@ pub async fn run(config: config::Config, shutdown: CancellationToken) -> Result<
             let mut publisher =
                 publish::kafka::KafkaPublisher::new(kafka).map_err(|e| config::ConfigError {
                     flag: "--kafka-config",
-                    reason: e.to_string(),
+                    reason: config::kafka_client_error(e),
                 })?;
             if let Some(ce) = config.cloudevents.clone() {
                 publisher = publisher.with_cloudevents(ce);

@@ -641,3 +641,28 @@ async fn a_producer_queue_smaller_than_the_window_makes_records_wait_not_repeat(
     kafka.stop().await;
     db.cleanup().await;
 }
+
+/// A property librdkafka refuses (here a misspelt `sasl.password`) stops
+/// `run` at start-up as a usage error (exit 2, as README says for a value
+/// that cannot be used), naming the property and never its value: it was
+/// exit 1, with rdkafka's message ending in the value, the password.
+#[tokio::test]
+async fn a_property_librdkafka_refuses_is_a_usage_error_that_hides_its_value() {
+    let db = TestDb::new().await;
+    let (code, _, stderr) = outbox_tests::process::cli(
+        RELAY_BIN,
+        db.schema.as_str(),
+        &[
+            "run",
+            "--broker",
+            "kafka",
+            "--kafka-config",
+            "sasl.pasword=S3cret-pw",
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(2), "a usage error: {stderr}");
+    assert!(stderr.contains("sasl.pasword"), "{stderr}");
+    assert!(!stderr.contains("S3cret-pw"), "{stderr}");
+    db.cleanup().await;
+}

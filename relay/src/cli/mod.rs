@@ -38,7 +38,11 @@ pub fn main() -> ExitCode {
             let usage = matches!(
                 e.downcast_ref::<ops::OpsError>(),
                 Some(ops::OpsError::Selection(_))
-            ) || e.downcast_ref::<crate::config::ConfigError>().is_some();
+            ) || e.downcast_ref::<crate::config::ConfigError>().is_some()
+                || matches!(
+                    e.downcast_ref::<crate::Error>(),
+                    Some(crate::Error::Config(_))
+                );
             if usage {
                 ExitCode::from(2)
             } else {

@@ -21,6 +21,18 @@ impl fmt::Debug for KafkaProperty {
     }
 }
 
+/// Why librdkafka refused the producer's configuration, without the
+/// property's value: rdkafka's own message ends with it, and it may be a
+/// secret (a misspelt `sasl.password`, which no name check marks secret).
+pub fn kafka_client_error(e: rdkafka::error::KafkaError) -> String {
+    match e {
+        rdkafka::error::KafkaError::ClientConfig(_, description, key, _) => {
+            format!("{description} (property {key:?}; value not shown)")
+        }
+        e => e.to_string(),
+    }
+}
+
 pub(super) fn parse_kafka_property(s: &str) -> Result<KafkaProperty, String> {
     match s.split_once('=') {
         // The relay's guarantees rest on these; they are not negotiable.
@@ -234,6 +246,26 @@ mod kafka_tests {
         };
         assert_eq!(db.schema.as_str(), "orders_outbox");
         assert!(db.database_url.expose().contains("db.example:5433"));
+    }
+
+    #[test]
+    fn a_property_librdkafka_refuses_is_named_without_its_value() {
+        let refused =
+            crate::publish::kafka::KafkaPublisher::new(crate::publish::kafka::KafkaSettings {
+                brokers: "127.0.0.1:9092".into(),
+                properties: vec![("sasl.pasword".into(), "S3cret-value".into())],
+                message_timeout: std::time::Duration::from_secs(30),
+                in_flight: Default::default(),
+            })
+            .map(|_| ())
+            .expect_err("a misspelt property");
+        assert!(
+            refused.to_string().contains("S3cret-value"),
+            "rdkafka's own message quotes the value: {refused}"
+        );
+        let shown = kafka_client_error(refused);
+        assert!(!shown.contains("S3cret-value"), "{shown}");
+        assert!(shown.contains("sasl.pasword"), "{shown}");
     }
 
     #[test]

@@ -14,10 +14,11 @@ mod kafka;
 mod run;
 mod values;
 
-pub use kafka::KafkaProperty;
+pub use kafka::{kafka_client_error, KafkaProperty};
 pub use run::{Broker, BrokerKind, Config, DeadLetterOrder, RunArgs};
 use values::{
     parse_amqp_url, parse_duration, parse_http_addr, parse_pg_url, parse_schema, read_secret,
+    SecretUrlParser,
 };
 pub use values::{HttpAddr, SecretUrl};
 
@@ -258,7 +259,7 @@ pub struct DbArgs {
         env = "OUTBOX_DATABASE_URL",
         hide_env_values = true,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        value_parser = parse_pg_url,
+        value_parser = SecretUrlParser(parse_pg_url),
         global = true
     )]
     pub database_url: SecretUrl,
@@ -318,7 +319,7 @@ pub struct AmqpArgs {
         hide_env_values = true,
         hide_default_value = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        value_parser = parse_amqp_url
+        value_parser = SecretUrlParser(parse_amqp_url)
     )]
     pub amqp_url: SecretUrl,
     /// Read the AMQP URL from this file instead.

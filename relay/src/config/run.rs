@@ -459,6 +459,28 @@ mod tests {
         args.into_config()
     }
 
+    /// clap's message for a value its parser refuses quotes the value: a
+    /// URL with a typo elsewhere put its password on the terminal and in
+    /// the logs.
+    #[test]
+    fn a_url_refused_at_parsing_never_shows_its_password() {
+        for (flag, url) in [
+            (
+                "--database-url",
+                "postgres://relay:S3cret-pw@db/app?sslmode=verify-fulll",
+            ),
+            ("--amqp-url", "amqp:relay:S3cret-pw@rabbit"),
+            ("--amqp-url", "amqps://relay:S3cret-pw@rabbit:notaport/%2f"),
+        ] {
+            let err = Cli::try_parse_from(["outbox-relay", "run", flag, url])
+                .map(|_| ())
+                .expect_err(url);
+            let shown = err.to_string();
+            assert!(!shown.contains("S3cret-pw"), "{shown}");
+            assert!(shown.contains(flag), "{shown}");
+        }
+    }
+
     #[test]
     fn zero_waits_that_would_loop_or_time_out_at_once_are_refused() {
         for flag in [

@@ -37,14 +37,65 @@ impl fmt::Display for SecretUrl {
 pub(super) fn parse_pg_url(s: &str) -> Result<SecretUrl, String> {
     crate::source::Database::check_url(s)
         .map(|_| SecretUrl(s.to_owned()))
-        // The messages name the offending part, never the password.
-        .map_err(|e| e.to_string())
+        // The messages name the offending part, never the password; the
+        // URL itself is cut out all the same.
+        .map_err(|e| without(s, e.to_string()))
 }
 
 pub(super) fn parse_amqp_url(s: &str) -> Result<SecretUrl, String> {
     lapin::uri::AMQPUri::from_str(s)
         .map(|_| SecretUrl(s.to_owned()))
-        .map_err(|e| format!("not an amqp:// or amqps:// URL: {e}"))
+        // The parser's message quotes the whole URL, password and all.
+        .map_err(|e| {
+            without(
+                s,
+                format!(
+                    "not an amqp:// or amqps:// URL (amqp://user:password@host:port/vhost): {e}"
+                ),
+            )
+        })
+}
+
+/// `message` with `url` cut out, wherever it quotes it.
+fn without(url: &str, message: String) -> String {
+    if url.is_empty() {
+        message
+    } else {
+        message.replace(url, "<the URL, not shown>")
+    }
+}
+
+/// A clap parser for a URL that may hold a password: clap's own error
+/// for a value its parser refuses quotes the value, and so the password
+/// to the terminal and the logs; this one names the flag and the reason
+/// only.
+#[derive(Clone, Copy)]
+pub(super) struct SecretUrlParser(pub(super) fn(&str) -> Result<SecretUrl, String>);
+
+impl clap::builder::TypedValueParser for SecretUrlParser {
+    type Value = SecretUrl;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<SecretUrl, clap::Error> {
+        let flag = arg.map_or_else(|| "a URL".to_owned(), ToString::to_string);
+        let refused = |reason: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!(
+                    "invalid value for {flag} (not shown, as it may hold a password): {reason}\n"
+                ),
+            )
+            .with_cmd(cmd)
+        };
+        let s = value
+            .to_str()
+            .ok_or_else(|| refused("not UTF-8".to_owned()))?;
+        (self.0)(s).map_err(refused)
+    }
 }
 
 /// An HTTP listen address, or off.
