@@ -863,3 +863,27 @@ async fn a_header_of_control_characters_is_sized_as_sent_not_as_printed() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// README's demo, in a schema of its own: it commits, rolls back, relays,
+/// and says ok only when the consumer saw each committed id once.
+#[tokio::test]
+async fn the_readmes_demo_relays_and_checks_what_arrived() {
+    let schema = outbox_tests::unique("demo");
+    let (code, stdout, stderr) = outbox_tests::process::cli(
+        env!("CARGO_BIN_EXE_outbox-relay-under-test"),
+        &schema,
+        &["demo"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("committed 6, received 6 of them, copies 0, unexpected 0"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("\nok: "), "{stdout}");
+    let client = outbox_tests::db::connect(&outbox_tests::pg_url().parse().expect("url")).await;
+    client
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .expect("drop the demo's schema");
+}

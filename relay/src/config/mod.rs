@@ -340,7 +340,9 @@ impl AmqpArgs {
 /// Flags of `outbox-relay demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Where the outbox lives (the demo uses its own schema by default).
+    /// Where the outbox lives: the demo migrates that schema, adds a
+    /// `demo_orders` table to it and relays every message in it, so point
+    /// it (--schema) at a schema of its own, never a live outbox's.
     #[command(flatten)]
     pub db: DbArgs,
     /// Where RabbitMQ is.
