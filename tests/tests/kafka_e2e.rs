@@ -666,3 +666,53 @@ async fn a_property_librdkafka_refuses_is_a_usage_error_that_hides_its_value() {
     assert!(!stderr.contains("S3cret-pw"), "{stderr}");
     db.cleanup().await;
 }
+
+/// A row too large to send goes to the dead letters without a batch
+/// settling it, and `outbox_messages_total{result="dead_lettered"}`
+/// (which the dead-letter alert watches) counts it: it counted only rows
+/// a broker had answered.
+#[tokio::test]
+async fn a_row_dead_lettered_unsent_is_counted_in_the_metrics() {
+    outbox_tests::init_logging();
+    let brokers = kafka_brokers();
+    let kafka = Fixture::new(&brokers, 2).await;
+    let db = TestDb::new().await;
+    let (relay, port) = relay_with_metrics(&db, &brokers);
+    let huge = Message::builder(kafka.topic.as_str())
+        .key("big")
+        .payload(vec![7u8; 2 << 20])
+        .build()
+        .expect("valid");
+    db.outbox()
+        .max_payload_bytes(4 << 20)
+        .enqueue(&db.client, &huge)
+        .await
+        .expect("enqueue");
+    let dead = |metrics: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("outbox_messages_total{")
+                    && l.contains(&format!("destination=\"{}\"", kafka.topic))
+                    && l.contains("result=\"dead_lettered\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "the row never left the outbox"
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            dead(&outbox_tests::http::scrape(port).await) >= 1.0
+        })
+        .await,
+        "no dead_lettered count for {}",
+        kafka.topic
+    );
+    assert_eq!(dead(&outbox_tests::http::scrape(port).await), 1.0);
+    drop(relay);
+    kafka.stop().await;
+    db.cleanup().await;
+}

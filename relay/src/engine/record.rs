@@ -45,3 +45,17 @@ pub(super) fn record_settled(
     }
     metrics::counter!(crate::metrics::RETRIES).increment(plan.failed.len() as u64);
 }
+
+/// Counts messages dead-lettered without being published (too large to
+/// send, unreadable), under their destinations.
+pub(super) fn record_dead_lettered<'d>(destinations: impl Iterator<Item = &'d str>) {
+    let mut counts: HashMap<&str, u64> = HashMap::new();
+    for destination in destinations {
+        *counts.entry(destination).or_default() += 1;
+    }
+    for (destination, n) in counts {
+        let label = crate::metrics::destination_label(destination);
+        metrics::counter!(crate::metrics::MESSAGES, "destination" => label, "result" => "dead_lettered")
+            .increment(n);
+    }
+}

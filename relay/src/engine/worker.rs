@@ -332,6 +332,12 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     ) {
         self.stats
             .count(Event::DeadLettered, (rows.len() + unreadable.len()) as u64);
+        // Never in a settled batch, so `record_settled` does not see them.
+        super::record::record_dead_lettered(
+            rows.iter()
+                .map(|r| r.destination.as_str())
+                .chain(unreadable.iter().map(|u| u.destination.as_str())),
+        );
         for (row, (_, reason)) in rows.iter().zip(reasons) {
             log_dead_letter(&row.message_id, &row.destination, row.attempts, reason);
         }
