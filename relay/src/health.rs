@@ -15,8 +15,11 @@ use crate::source::store::StoreError;
 pub struct Stats {
     /// Rows claimed and not yet settled.
     in_flight: AtomicI64,
-    /// Whether the last attempt to reach Postgres from a worker succeeded.
-    postgres_up: AtomicBool,
+    /// The workers with a Postgres session now, one bit per worker id
+    /// (modulo 64): Postgres is reachable while any has one. One worker
+    /// refused a connection (the server's connection limit) says nothing
+    /// about the others' sessions.
+    postgres_sessions: AtomicU64,
     /// Set when a worker lost Postgres after having reached it, until one
     /// reaches it again (so recovery is logged once).
     postgres_lost: AtomicBool,
@@ -104,9 +107,9 @@ impl Stats {
         self.in_flight.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// Whether the last attempt to reach Postgres from a worker succeeded.
+    /// Whether any worker has a Postgres session.
     pub fn postgres_up(&self) -> bool {
-        self.postgres_up.load(Ordering::Relaxed)
+        self.postgres_sessions.load(Ordering::Relaxed) != 0
     }
 
     /// Whether the ownership session is up.
@@ -183,23 +186,28 @@ impl Stats {
         }
     }
 
-    /// Records whether a worker reached Postgres; like the broker, one log
-    /// line per change (after the first connection), not one per worker.
+    /// Records whether a worker reached Postgres (has a session) or lost
+    /// or could not open its session. Postgres is reachable while any
+    /// worker has a session; like the broker's, the log says when the last
+    /// session went and when one came back, not once per worker.
     pub(crate) fn note_postgres(&self, worker: usize, error: Option<&StoreError>) {
+        let bit = 1u64 << (worker % 64);
         match error {
             None => {
-                if !self.postgres_up.swap(true, Ordering::Relaxed)
-                    && self.postgres_lost.swap(false, Ordering::Relaxed)
-                {
+                let before = self.postgres_sessions.fetch_or(bit, Ordering::Relaxed);
+                if before == 0 && self.postgres_lost.swap(false, Ordering::Relaxed) {
                     tracing::info!("postgres reachable again");
                 }
             }
             Some(e) => {
-                if self.postgres_up.swap(false, Ordering::Relaxed) {
+                let before = self.postgres_sessions.fetch_and(!bit, Ordering::Relaxed);
+                if before == bit {
                     self.postgres_lost.store(true, Ordering::Relaxed);
                     tracing::warn!(worker, error = %e, "lost postgres; reconnecting");
+                } else if before & bit != 0 {
+                    tracing::warn!(worker, error = %e, "a worker lost its postgres session; reconnecting");
                 } else {
-                    tracing::debug!(worker, error = %e, "postgres still unreachable");
+                    tracing::debug!(worker, error = %e, "postgres still unreachable for this worker");
                 }
             }
         }
@@ -212,7 +220,7 @@ impl Stats {
     /// broker outage must not take the app out of service. Broker
     /// reachability is `outbox_connection_up{target="broker"}`, with an alert.
     pub fn not_ready_reason(&self) -> Option<String> {
-        if !self.postgres_up.load(Ordering::Relaxed) {
+        if !self.postgres_up() {
             return Some("postgres unreachable".into());
         }
         if !self.owner_up.load(Ordering::Relaxed) {
@@ -266,6 +274,38 @@ mod tests {
 
     fn since(stats: &Stats) -> Option<SystemTime> {
         stats.broker_down().map(|(since, _)| since)
+    }
+
+    fn refused_connection() -> StoreError {
+        StoreError::memory("sorry, too many clients already")
+    }
+
+    /// One worker whose connections the server refuses (its connection
+    /// limit) while the others keep their sessions: the replica stays
+    /// ready. It was not ready whenever that worker had reported last.
+    #[test]
+    fn one_worker_refused_a_connection_leaves_the_replica_ready() {
+        let stats = Stats::default();
+        source::ownership::ReplicaReport::set_owner_up(&stats, true);
+        assert!(stats.not_ready_reason().is_some(), "no session yet");
+        for worker in 0..3 {
+            stats.note_postgres(worker, None);
+        }
+        for _ in 0..5 {
+            stats.note_postgres(3, Some(&refused_connection()));
+            assert_eq!(stats.not_ready_reason(), None);
+            assert!(stats.postgres_up());
+        }
+        // Every session gone: not ready until one is back.
+        for worker in 0..3 {
+            stats.note_postgres(worker, Some(&refused_connection()));
+        }
+        assert_eq!(
+            stats.not_ready_reason().as_deref(),
+            Some("postgres unreachable")
+        );
+        stats.note_postgres(2, None);
+        assert_eq!(stats.not_ready_reason(), None);
     }
 
     #[test]
