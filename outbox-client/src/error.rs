@@ -82,6 +82,13 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
+    /// Two messages of one batch carry the same caller-chosen id; neither
+    /// was written.
+    #[error("message id {message_id} is given to more than one message of the batch")]
+    DuplicateInBatch {
+        /// The id given twice.
+        message_id: MessageId,
+    },
     /// A key that identifies a delivery, notification, job or consumer is empty:
     /// an empty key would make unrelated work look like a duplicate.
     #[error("{what} is empty")]
@@ -189,6 +196,7 @@ impl Error {
                 | Error::KeyTooLong { .. }
                 | Error::InvalidSchemaName { .. }
                 | Error::EmptyKey { .. }
+                | Error::DuplicateInBatch { .. }
                 | Error::Serialize(_)
         )
     }

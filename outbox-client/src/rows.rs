@@ -75,6 +75,24 @@ impl<'a> Rows<'a> {
                 });
             }
         }
+        // Only caller-chosen ids can repeat; the insert would fail on the
+        // unique key, aborting the caller's transaction, as if one were
+        // already in the outbox.
+        if messages
+            .iter()
+            .filter(|m| m.message_id.is_some())
+            .nth(1)
+            .is_some()
+        {
+            let mut given = std::collections::HashSet::with_capacity(messages.len());
+            for m in messages {
+                if let Some(id) = m.message_id {
+                    if !given.insert(id) {
+                        return Err(Error::DuplicateInBatch { message_id: id });
+                    }
+                }
+            }
+        }
         let trace = trace::current();
         let headers = messages
             .iter()

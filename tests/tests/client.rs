@@ -761,3 +761,41 @@ async fn a_pending_migration_behind_a_long_transaction_lets_the_writers_through(
     assert_eq!(constraint, 1, "V18 applied");
     db.cleanup().await;
 }
+
+/// Two messages of one batch with the same caller-chosen id: a typed
+/// validation error naming the id, before any SQL, so the caller's
+/// transaction can still commit. The insert failed on the unique key,
+/// aborting the transaction, with "already in the outbox" though neither
+/// copy was.
+#[tokio::test]
+async fn a_batch_giving_one_id_twice_is_refused_before_any_sql() {
+    let mut db = TestDb::new().await;
+    let id = MessageId::from(uuid::Uuid::new_v4());
+    let with_id = |payload: &str| {
+        Message::builder("d")
+            .message_id(id)
+            .payload(payload.to_owned())
+            .build()
+            .expect("valid")
+    };
+    let other = Message::builder("d").payload("y").build().expect("valid");
+    let outbox = db.outbox();
+    let tx = db.client.transaction().await.expect("begin");
+    match outbox
+        .enqueue_batch(&tx, &[with_id("a"), other.clone(), with_id("b")])
+        .await
+    {
+        Err(e @ Error::DuplicateInBatch { .. }) => {
+            assert!(e.is_invalid_input(), "{e}");
+            assert!(e.to_string().contains(&id.to_string()), "{e}");
+        }
+        other => panic!("expected DuplicateInBatch, got {other:?}"),
+    }
+    outbox
+        .enqueue_batch(&tx, &[with_id("a"), other])
+        .await
+        .expect("the transaction is still usable");
+    tx.commit().await.expect("commit");
+    assert_eq!(db.pending().await, 2);
+    db.cleanup().await;
+}
