@@ -120,7 +120,13 @@ pub(super) fn headers(env: &Envelope, cloudevents: Option<&CloudEvents>) -> Owne
                 k.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("ce_"))
                     && k.get(3..).is_some_and(|n| n.eq_ignore_ascii_case(a))
             });
-        if shadowed {
+        // The relay's own headers, which a plain INSERT can also spell:
+        // a consumer reading the last `message-id` would take the row's
+        // for the message's id, and drop other messages as copies.
+        let reserved = outbox_client::RESERVED_HEADERS
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(k));
+        if shadowed || reserved {
             continue;
         }
         h = h.insert(Header {
@@ -161,6 +167,50 @@ mod tests {
         }
         // Dots alone are fine beyond the two names Kafka keeps.
         assert_eq!(illegal_topic("..."), None);
+    }
+
+    /// A row written by plain SQL may carry headers named like the
+    /// relay's own (the client and `enqueue()` refuse them): each of the
+    /// relay's goes once, with its value, and the row's are left out.
+    #[test]
+    fn row_headers_spelling_the_relays_own_are_left_out() {
+        use rdkafka::message::Headers;
+        let id = uuid::Uuid::new_v4();
+        let env = Envelope {
+            seq: 1,
+            message_id: id,
+            destination: "t".into(),
+            ordering_key: None,
+            routing_key: String::new(),
+            headers: vec![
+                ("message-id".into(), "forged".into()),
+                ("Content-Type".into(), "text/forged".into()),
+                ("tenant".into(), "a".into()),
+            ],
+            payload: Vec::new(),
+            content_type: Some("application/json".into()),
+            event_type: None,
+            created_at: std::time::SystemTime::UNIX_EPOCH,
+            attempts: 0,
+        };
+        let h = headers(&env, None);
+        let all: Vec<(String, String)> = (0..h.count())
+            .map(|i| {
+                let header = h.get(i);
+                (
+                    header.key.to_owned(),
+                    String::from_utf8_lossy(header.value.unwrap_or_default()).into_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            all,
+            vec![
+                ("message-id".to_owned(), id.to_string()),
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("tenant".to_owned(), "a".to_owned()),
+            ]
+        );
     }
 
     #[test]
