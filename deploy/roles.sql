@@ -9,12 +9,17 @@
 --               it cannot read, change or delete outbox rows.
 -- outbox_relay: may read, settle and dead-letter outbox rows, keep published
 --               rows in retention mode, and keep its replica bookkeeping;
---               nothing else.
+--               nothing else. `status`, `locate`, `pause`, `resume` and
+--               `dead-letters list/show` run with it.
+-- outbox_operator: the relay's rights, and what `dead-letters retry` and
+--               `discard` need beyond them: putting dead letters back into
+--               the outbox and removing them.
 \set ON_ERROR_STOP on
 
 DO $$ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_app') THEN CREATE ROLE outbox_app NOLOGIN; END IF;
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_relay') THEN CREATE ROLE outbox_relay NOLOGIN; END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_operator') THEN CREATE ROLE outbox_operator NOLOGIN; END IF;
 END $$;
 
 GRANT USAGE ON SCHEMA :"schema" TO outbox_app, outbox_relay;
@@ -43,6 +48,13 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".replicas, :"schema".partition_
 -- Every claim reads the paused destinations; `pause` and `resume`, run with
 -- this role, change them.
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".paused_destinations TO outbox_relay;
+
+-- The operator: the relay's rights (a member of its role), and
+-- `dead-letters retry` (a dead letter moves back into the outbox, under its
+-- old seq) and `discard` (it is deleted).
+GRANT outbox_relay TO outbox_operator;
+GRANT INSERT ON :"schema".messages TO outbox_operator;
+GRANT DELETE ON :"schema".dead_letters TO outbox_operator;
 
 DO $$ BEGIN
     GRANT pg_read_all_stats TO outbox_relay;

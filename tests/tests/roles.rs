@@ -211,3 +211,66 @@ async fn retention_as_the_relay_role_settles_each_row_once() {
         ))
         .await;
 }
+
+/// The runbook's remedy for dead letters, `dead-letters retry` and
+/// `discard`, run as roles.sql's operator role: the relay's role has
+/// neither INSERT on the outbox nor DELETE on the dead letters, and no
+/// role of the script had both.
+#[tokio::test]
+async fn the_operator_role_can_retry_and_discard_dead_letters() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
+    let (operator, _) = login_in(&db, "outbox_operator").await;
+    let msgs: Vec<Message> = outbox_tests::workload::json_over_keys("orders", 4, 2);
+    let ids = db
+        .outbox()
+        .enqueue_batch(&db.client, &msgs)
+        .await
+        .expect("enqueue");
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "WITH m AS (DELETE FROM {s}.messages RETURNING *) \
+             INSERT INTO {s}.dead_letters (seq, message_id, destination, ordering_key, routing_key, \
+                 headers, payload, content_type, created_at, attempts, last_error, event_type) \
+             SELECT seq, message_id, destination, ordering_key, routing_key, headers, payload, \
+                 content_type, created_at, 10, 'refused', event_type FROM m"
+        ))
+        .await
+        .expect("four dead letters");
+    let url = outbox_tests::pg_url().replacen("postgres@", &format!("{operator}@"), 1);
+    let run = |args: Vec<String>| {
+        let (url, schema) = (url.clone(), db.schema.to_string());
+        async move {
+            let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay-under-test"))
+                .args(&args)
+                .env("OUTBOX_DATABASE_URL", url)
+                .env("OUTBOX_SCHEMA", schema)
+                .output()
+                .await
+                .expect("outbox-relay");
+            assert!(
+                out.status.success(),
+                "{args:?} as the operator role: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+    let argv = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let first = ids[0].to_string();
+    run(argv(&["dead-letters", "discard", "--id", &first, "--yes"])).await;
+    run(argv(&["dead-letters", "retry", "--all", "--yes"])).await;
+    assert_eq!(db.pending().await, 3, "three retried, one discarded");
+    let left: i64 = db
+        .client
+        .query_one(format!("SELECT count(*) FROM {s}.dead_letters").as_str(), &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(left, 0);
+    let _ = db
+        .client
+        .batch_execute(&format!("DROP SCHEMA {s} CASCADE; DROP ROLE {operator};"))
+        .await;
+}
