@@ -28,6 +28,9 @@ GRANT USAGE ON SCHEMA :"schema" TO outbox_app, outbox_relay;
 -- run with the caller's rights and are executable by everyone). The insert
 -- trigger (NOTIFY) and the message id's default need nothing more.
 GRANT INSERT ON :"schema".messages TO outbox_app;
+-- outbox_client::migrate() at the app's start-up: with nothing pending it
+-- only reads the migrations' history.
+GRANT SELECT ON :"schema".refinery_schema_history TO outbox_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".inbox, :"schema".sent_notifications,
     :"schema".checkpoints, :"schema".idempotency_keys TO outbox_app;
 

@@ -115,6 +115,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
 /// application's inserts, which queue behind a waiting lock request, go
 /// through in between instead of stalling for as long as the longest
 /// transaction runs.
+///
+/// With nothing pending it creates and changes nothing, so a role that may
+/// only read refinery's history (deploy/roles.sql's app role) can call it
+/// at start-up as well.
 #[cfg(feature = "migrate")]
 pub async fn migrate(client: &mut Client, schema: &str) -> Result<(), Error> {
     let schema = SchemaName::new(schema)?;
@@ -194,6 +198,12 @@ async fn migrate_once(
         &[(&lock_key, tokio_postgres::types::Type::TEXT)],
     )
     .await?;
+    if all_applied(&tx, schema).await? {
+        // Nothing to create or change: a role without the right to create
+        // objects (roles.sql's app role) may call this at start-up too.
+        tx.commit().await?;
+        return Ok(());
+    }
     // After the advisory lock, whose wait for another migrator is not
     // bounded: only the tables' locks give way.
     tx.batch_execute(&format!(
@@ -226,6 +236,41 @@ async fn migrate_once(
         }
         (Err(e), None) => Err(Once::Failed(Error::Migration(e))),
     }
+}
+
+/// Whether refinery's history in `schema` lists every migration of this
+/// release, as far as this role may read it (a history it cannot read, or
+/// none, says no).
+#[cfg(feature = "migrate")]
+async fn all_applied(
+    tx: &tokio_postgres::Transaction<'_>,
+    schema: &SchemaName,
+) -> Result<bool, tokio_postgres::Error> {
+    let history = format!("{}.refinery_schema_history", schema.quoted());
+    let readable = tx
+        .query_typed(
+            "SELECT coalesce(has_table_privilege(to_regclass($1), 'SELECT'), false)",
+            &[(&history, tokio_postgres::types::Type::TEXT)],
+        )
+        .await?;
+    if !readable.first().is_some_and(|r| r.get::<_, bool>(0)) {
+        return Ok(false);
+    }
+    let applied: std::collections::HashSet<i64> = tx
+        .query_typed(&format!("SELECT version::int8 FROM {history}"), &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok(MIGRATIONS
+        .iter()
+        .all(|(name, _)| version_of(name).is_some_and(|v| applied.contains(&v))))
+}
+
+/// The version in a migration's name, `V<version>__<name>`.
+#[cfg(feature = "migrate")]
+fn version_of(name: &str) -> Option<i64> {
+    name.strip_prefix('V')?.split_once("__")?.0.parse().ok()
 }
 
 /// refinery's runner inside one open transaction: its statements go out as
@@ -318,4 +363,21 @@ pub async fn set_notify(client: &Client, schema: &str, enabled: bool) -> Result<
         ))
         .await
         .map_err(|e| Error::from_db(&schema, e))
+}
+
+#[cfg(all(test, feature = "migrate"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_embedded_migration_has_a_version() {
+        let versions: Vec<i64> = MIGRATIONS
+            .iter()
+            .map(|(name, _)| version_of(name).unwrap_or_else(|| panic!("{name}")))
+            .collect();
+        assert_eq!(
+            versions,
+            (1..=i64::try_from(MIGRATIONS.len()).expect("few")).collect::<Vec<_>>()
+        );
+    }
 }
