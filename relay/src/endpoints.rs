@@ -146,8 +146,23 @@ pub async fn collect(
                 let started = tokio::time::Instant::now();
                 let read = c.answered(bound, read_db_gauges(c, &schema)).await;
                 unanswered = is_unanswered(&read);
-                snapshot = read.ok();
-                next_read = started + every.max(started.elapsed() * 20);
+                let took = started.elapsed();
+                next_read = started + every.max(took * 20);
+                snapshot = match read {
+                    Ok(g) => Some(g),
+                    Err(e) => {
+                        // Said, or the gauges would vanish with no trace of
+                        // why: most often a backlog so large that counting
+                        // it outlasts the session's statement timeout.
+                        tracing::warn!(
+                            error = %e,
+                            took = ?took,
+                            next_in = ?next_read.saturating_duration_since(tokio::time::Instant::now()),
+                            "reading the database gauges (backlog, oldest pending, dead letters) failed; they are not exported until the next read"
+                        );
+                        None
+                    }
+                };
                 if let Some(g) = snapshot.as_mut() {
                     // A drained destination reads 0, not nothing.
                     for gone in &seen {
