@@ -111,6 +111,7 @@ pub enum ConsumeError<E> {
 
 /// Whether a delivery's message id can be recorded in the inbox: what
 /// [`crate::inbox::check_key`] accepts.
+#[cfg(any(feature = "amqp", feature = "kafka"))]
 pub(crate) fn usable_id(id: &str) -> bool {
     crate::inbox::check_key("message id", id).is_ok()
 }
