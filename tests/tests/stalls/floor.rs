@@ -507,6 +507,8 @@ struct Written {
     id: uuid::Uuid,
     seq: i64,
     key: String,
+    /// Its transaction: writer and number.
+    tx: (u64, usize),
     commit_began: Instant,
     committed: Instant,
 }
@@ -550,7 +552,9 @@ async fn assert_went_out(
 }
 
 /// Panics if a row went out, the first time, before an older row of its
-/// key that had committed before its own transaction began to commit.
+/// key that had committed before its own transaction began to commit, or
+/// that was written in the same transaction (whose rows commit at once,
+/// and must go out in their order).
 fn assert_key_order(seed: u64, written: &[Written], order: &[uuid::Uuid]) {
     let first: std::collections::HashMap<uuid::Uuid, usize> = order
         .iter()
@@ -563,7 +567,7 @@ fn assert_key_order(seed: u64, written: &[Written], order: &[uuid::Uuid]) {
         for b in written {
             if a.key == b.key
                 && a.seq < b.seq
-                && a.committed < b.commit_began
+                && (a.tx == b.tx || a.committed < b.commit_began)
                 && first[&b.id] < first[&a.id]
             {
                 inversions.push((a.seq, b.seq));
@@ -621,6 +625,7 @@ fn spawn_late_writer(
                     id: r.get(0),
                     seq: r.get(1),
                     key: r.get(2),
+                    tx: (w, t),
                     commit_began: Instant::now(),
                     committed: Instant::now(),
                 })
