@@ -71,7 +71,22 @@ impl Sink {
                 // In each partition's offset order: records read again after
                 // the live consumer skipped them (see
                 // `kafka::Fixture::read_skipped`) go where the broker put them.
+                // That order holds a key's records only if the key lives in
+                // one partition: a key spread over two would show just some
+                // of its inversions.
                 let mut records = fixture.records();
+                let mut partition_of: std::collections::HashMap<&str, i32> =
+                    std::collections::HashMap::new();
+                for r in &records {
+                    if let Some(key) = r.key.as_deref() {
+                        let p = *partition_of.entry(key).or_insert(r.partition);
+                        assert_eq!(
+                            p, r.partition,
+                            "key {key} is in partitions {p} and {}: its order cannot be read",
+                            r.partition
+                        );
+                    }
+                }
                 records.sort_by_key(|r| (r.partition, r.offset));
                 crate::seen_kafka(&records)
             }

@@ -19,7 +19,7 @@ const PATIENCE: Duration = Duration::from_secs(120);
 #[tokio::test]
 async fn wire_contract_message_id_headers_and_properties() {
     outbox_tests::init_logging();
-    let db = TestDb::new().await;
+    let mut db = TestDb::new().await;
     let rabbit = Fixture::new().await;
     let relay = InProcessRelay::amqp(&db, fast_settings());
 
@@ -39,7 +39,21 @@ async fn wire_contract_message_id_headers_and_properties() {
         .payload(br#"{"x":1}"#.to_vec())
         .build()
         .expect("valid");
-    let id = db.outbox().enqueue(&db.client, &m).await.expect("enqueue");
+    // Written an hour ago, as far as the row says: the timestamp must be
+    // the row's, not when it was published.
+    let (outbox, table) = (db.outbox(), db.table());
+    let tx = db.client.transaction().await.expect("begin");
+    let id = outbox.enqueue(&tx, &m).await.expect("enqueue");
+    tx.execute(
+        format!(
+            "UPDATE {table} SET created_at = created_at - interval '1 hour' WHERE message_id = $1"
+        )
+        .as_str(),
+        &[&id.as_uuid()],
+    )
+    .await
+    .expect("backdate");
+    tx.commit().await.expect("commit");
 
     assert!(
         eventually(PATIENCE, || async { rabbit.count() >= 1 }).await,
@@ -52,8 +66,8 @@ async fn wire_contract_message_id_headers_and_properties() {
     assert_eq!(d.delivery_mode, Some(2), "persistent");
     let ts = d.timestamp.expect("timestamp set");
     assert!(
-        ts + 5 >= before,
-        "timestamp {ts} is the row's creation time"
+        ts + 3600 + 5 >= before && ts + 3600 <= before + 60,
+        "timestamp {ts} is the row's creation time, an hour before {before}"
     );
     assert_eq!(d.headers.get("tenant").map(String::as_str), Some("acme"));
     assert!(d.headers.contains_key("traceparent"));

@@ -108,7 +108,9 @@ async fn replicas_killed_and_paused(sink: Sink, messages: usize) {
     let mut kills = 0usize;
     let mut pauses = 0usize;
     let mut round = 0usize;
-    while !writers.is_finished() || (db.pending().await > 0 && round < 40) {
+    // At least seven rounds, so the pause and some kills happen however
+    // soon the writers finish.
+    while !writers.is_finished() || round < 7 || (db.pending().await > 0 && round < 40) {
         round += 1;
         let wait = rng.random_range(500..2000);
         tokio::time::sleep(Duration::from_millis(wait)).await;
@@ -127,6 +129,10 @@ async fn replicas_killed_and_paused(sink: Sink, messages: usize) {
             kills += 1;
         }
     }
+    assert!(
+        pauses == 1 && kills > 0,
+        "seed {seed}: the faults did not happen: {kills} kills, {pauses} pauses"
+    );
     let written = writers.await.expect("writers");
     let report = sink.settle(&db, &written, PATIENCE).await;
     let bound = (kills + pauses) * BATCH * (PIPELINE + 1);

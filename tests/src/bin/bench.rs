@@ -1018,7 +1018,14 @@ async fn backlog(args: &Args) -> anyhow::Result<()> {
     );
     println!(
         "{:<10} {:<26} {:>10} {:>9} {:>9} {:>10} {:>12}",
-        "backlog", "snapshot", "msgs/s", "vs 10k", "RSS MiB", "CPU s/10k", "claim"
+        "backlog",
+        "snapshot",
+        "msgs/s",
+        // The baseline is the first size asked for.
+        format!("vs {}", args.sizes[0]),
+        "RSS MiB",
+        "CPU s/10k",
+        "claim"
     );
     let run = BacklogRun {
         args,

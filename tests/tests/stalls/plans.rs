@@ -438,23 +438,29 @@ async fn a_claim_stuck_before_locking_does_not_let_the_next_one_start() {
         }
     };
     futures::pin_mut!(claim);
-    // Drive the claim until its statements are sent and it waits on the
-    // table lock. It cannot finish: the table is locked.
-    let waited = tokio::time::timeout(Duration::from_millis(300), claim.as_mut()).await;
-    assert!(waited.is_err(), "a claim finished on a locked table");
-    let waiting: i64 = db
-        .client
-        .query_one(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event_type = 'Lock' AND query LIKE $1",
-            &[&format!("%{}%FOR UPDATE SKIP LOCKED%", db.table())],
-        )
-        .await
-        .expect("pg_stat_activity")
-        .get(0);
-    assert_eq!(
-        waiting, 1,
-        "the claim's locking statement waits on the table lock"
+    // Drive the claim until its locking statement waits on the table lock
+    // (as the server shows it). It cannot finish: the table is locked.
+    let waiting_sql = format!("%{}%FOR UPDATE SKIP LOCKED%", db.table());
+    let waits = outbox_tests::eventually(Duration::from_secs(60), || async {
+        let waiting: i64 = db
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND query LIKE $1",
+                &[&waiting_sql],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        waiting == 1
+    });
+    let waited = tokio::select! {
+        _ = claim.as_mut() => panic!("a claim finished on a locked table"),
+        waited = waits => waited,
+    };
+    assert!(
+        waited,
+        "the claim's locking statement never waited on the table lock"
     );
     assert!(
         !fired.load(Ordering::SeqCst),
