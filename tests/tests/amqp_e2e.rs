@@ -685,9 +685,9 @@ fn envelopes(exchange: &str, n: i64) -> Vec<Envelope> {
 }
 
 /// A batch given up while it waits for its confirms (the relay's deadline
-/// for it passed) takes its connection with it: frames of it still queued
-/// there must not reach the broker after its rows went back to the outbox.
-/// The next batch goes out on a new connection.
+/// for it passed) takes its connection with it, so that frames of it still
+/// queued there cannot be written after its rows went back to the outbox:
+/// what is checked is that the next batch goes out on a new connection.
 #[tokio::test]
 async fn a_batch_given_up_after_sending_takes_its_connection_with_it() {
     outbox_tests::init_logging();

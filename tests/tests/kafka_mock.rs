@@ -1352,6 +1352,15 @@ async fn a_topic_the_relay_may_not_write_to_holds_back_only_its_own_rows() {
     let failed = relay
         .stats
         .counted(outbox_relay::health::Event::BatchFailed);
+    let attempts: i64 = db
+        .client
+        .query_one(
+            format!("SELECT coalesce(max(attempts), 0)::int8 FROM {}", db.table()).as_str(),
+            &[],
+        )
+        .await
+        .expect("attempts")
+        .get(0);
     let pending = db.pending().await;
     let errors: Vec<Option<String>> = db
         .column(&format!("SELECT DISTINCT last_error FROM {}", db.table()))
@@ -1372,6 +1381,8 @@ async fn a_topic_the_relay_may_not_write_to_holds_back_only_its_own_rows() {
     assert_eq!(pending, held, "only the forbidden topic's rows wait");
     // A refused key's head names why; its later rows wait behind it.
     assert!(named, "no waiting row names why: {errors:?}");
+    // A refusal, not an outage: it counts as an attempt.
+    assert!(attempts > 0, "no attempt counted on the refused rows");
     assert_eq!(
         failed, 0,
         "batches failed as in an outage, though the broker answered about one topic"
