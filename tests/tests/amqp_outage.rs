@@ -442,3 +442,98 @@ async fn connection_attempts_into_a_black_hole_leave_nothing_behind() {
     sink.cleanup().await;
     db.cleanup().await;
 }
+
+/// A second SIGTERM (or Ctrl-C) during the shutdown grace stops the relay
+/// at once (exit 130), and what was in flight goes again from the outbox.
+/// The second signal was ignored: the relay sat out the whole grace.
+#[tokio::test]
+async fn a_second_signal_stops_at_once_and_loses_nothing() {
+    use outbox_tests::process::RelayProcess;
+    use outbox_tests::proxy::{Mode, Proxy};
+    const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let link = Proxy::start("127.0.0.1:5672").await;
+    let env = vec![
+        ("OUTBOX_SCHEMA", db.schema.to_string()),
+        (
+            "OUTBOX_AMQP_URL",
+            format!("amqp://guest:guest@127.0.0.1:{}/%2f", link.port),
+        ),
+        ("OUTBOX_CONFIRM_TIMEOUT", "300s".to_string()),
+        ("OUTBOX_HOLD_LIMIT", "900s".to_string()),
+        ("OUTBOX_SHUTDOWN_GRACE", "600s".to_string()),
+    ];
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    let warm = outbox_client::Message::builder(rabbit.exchange.as_str())
+        .json(&0)
+        .build()
+        .expect("valid");
+    db.outbox()
+        .enqueue(&db.client, &warm)
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(Duration::from_secs(60), || async { rabbit.count() >= 1 }).await,
+        "the relay never published"
+    );
+    // The broker's answers stop: the next batch waits for its confirms.
+    link.set(Mode::Strand);
+    let stuck = outbox_client::Message::builder(rabbit.exchange.as_str())
+        .json(&1)
+        .build()
+        .expect("valid");
+    db.outbox()
+        .enqueue(&db.client, &stuck)
+        .await
+        .expect("enqueue");
+    let in_flight = format!(
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+         WHERE c.relname = 'messages' AND c.relnamespace = '{}'::regnamespace \
+         AND l.mode = 'RowShareLock'",
+        db.schema.as_str()
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.client
+                .query_one(in_flight.as_str(), &[])
+                .await
+                .expect("pg_locks")
+                .get::<_, i64>(0)
+                > 0
+        })
+        .await,
+        "the batch was never claimed"
+    );
+    relay.signal("TERM").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        relay.exited().is_none(),
+        "the first signal waits for the batch"
+    );
+    relay.signal("TERM").await;
+    let stopped = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    assert_eq!(
+        stopped,
+        Ok(Some(130)),
+        "the second signal did not stop the relay (grace 600 s)"
+    );
+    // Nothing lost: the batch goes again with the next relay.
+    link.set(Mode::Pass);
+    let link2 = Proxy::start("127.0.0.1:5672").await;
+    let mut env = env;
+    env[1].1 = format!("amqp://guest:guest@127.0.0.1:{}/%2f", link2.port);
+    let mut relay = RelayProcess::start(RELAY_BIN, &env);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.pending().await == 0 && rabbit.count() >= 2
+        })
+        .await,
+        "the batch in flight at the second signal never went out"
+    );
+    relay.signal("TERM").await;
+    assert_eq!(relay.wait().await, Some(0));
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

@@ -1355,7 +1355,11 @@ async fn a_topic_the_relay_may_not_write_to_holds_back_only_its_own_rows() {
     let attempts: i64 = db
         .client
         .query_one(
-            format!("SELECT coalesce(max(attempts), 0)::int8 FROM {}", db.table()).as_str(),
+            format!(
+                "SELECT coalesce(max(attempts), 0)::int8 FROM {}",
+                db.table()
+            )
+            .as_str(),
             &[],
         )
         .await

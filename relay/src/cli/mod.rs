@@ -246,9 +246,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGTERM and Ctrl-C both start a drain; a second signal is not needed.
+/// SIGTERM and Ctrl-C both start a drain: in-flight batches finish, up to
+/// the shutdown grace. A second signal stops the process at once, as an
+/// operator pressing Ctrl-C again expects: what was in flight stays in the
+/// outbox and goes again (at least once), never lost.
 async fn on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
         let mut term = match tokio::signal::unix::signal(
@@ -257,20 +259,32 @@ async fn on_signal(shutdown: CancellationToken) {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the relay");
-                let _ = ctrl_c.await;
+                let _ = tokio::signal::ctrl_c().await;
                 shutdown.cancel();
                 return;
             }
         };
         tokio::select! {
-            _ = ctrl_c => {}
+            _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
+        tracing::info!(
+            "shutdown requested; finishing in-flight batches (a second signal stops at once)"
+        );
+        shutdown.cancel();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::warn!("second shutdown signal; stopping now: batches in flight stay in the outbox and go again");
+        std::process::exit(130);
     }
     #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutdown requested; finishing in-flight batches");
-    shutdown.cancel();
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("shutdown requested; finishing in-flight batches");
+        shutdown.cancel();
+    }
 }
 
 /// Dependencies whose logs stay off unless `OUTBOX_LOG` names them: lapin
