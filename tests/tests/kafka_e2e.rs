@@ -90,13 +90,7 @@ async fn record_too_large_is_recorded_and_does_not_block() {
     let db = TestDb::new().await;
     let relay = InProcessRelay::kafka(&db, &brokers, &[], fast_settings());
 
-    let outbox = db.outbox().max_payload_bytes(4 << 20);
-    let huge = Message::builder(kafka.topic.as_str())
-        .key("big")
-        .payload(vec![7u8; 2 << 20])
-        .build()
-        .expect("valid");
-    let huge_id = outbox.enqueue(&db.client, &huge).await.expect("enqueue");
+    let huge_id = enqueue_too_large(&db, &kafka.topic).await;
     enqueue_small(&db, &kafka.topic, 300).await;
 
     assert!(
@@ -132,6 +126,21 @@ async fn record_too_large_is_recorded_and_does_not_block() {
     relay.stop().await;
     kafka.stop().await;
     db.cleanup().await;
+}
+
+/// Enqueues one 2 MiB message for `topic`, over librdkafka's default
+/// `message.max.bytes`, and returns its id.
+async fn enqueue_too_large(db: &TestDb, topic: &str) -> outbox_client::MessageId {
+    let huge = Message::builder(topic)
+        .key("big")
+        .payload(vec![7u8; 2 << 20])
+        .build()
+        .expect("valid");
+    db.outbox()
+        .max_payload_bytes(4 << 20)
+        .enqueue(&db.client, &huge)
+        .await
+        .expect("enqueue")
 }
 
 /// A relay process for `db` on `brokers`, with short hold and confirm
@@ -678,16 +687,7 @@ async fn a_row_dead_lettered_unsent_is_counted_in_the_metrics() {
     let kafka = Fixture::new(&brokers, 2).await;
     let db = TestDb::new().await;
     let (relay, port) = relay_with_metrics(&db, &brokers);
-    let huge = Message::builder(kafka.topic.as_str())
-        .key("big")
-        .payload(vec![7u8; 2 << 20])
-        .build()
-        .expect("valid");
-    db.outbox()
-        .max_payload_bytes(4 << 20)
-        .enqueue(&db.client, &huge)
-        .await
-        .expect("enqueue");
+    enqueue_too_large(&db, &kafka.topic).await;
     let dead = |metrics: &str| -> f64 {
         metrics
             .lines()

@@ -532,10 +532,7 @@ mod tests {
 
     #[test]
     fn a_kafka_queue_too_small_for_one_record_is_refused_at_start_up() {
-        let Ok(Cli {
-            command: Command::Run(args),
-            ..
-        }) = Cli::try_parse_from([
+        let err = config_of(&[
             "outbox-relay",
             "run",
             "--broker",
@@ -543,10 +540,8 @@ mod tests {
             "--kafka-config",
             "message.max.bytes=100000000,queue.buffering.max.kbytes=65536",
         ])
-        else {
-            panic!("flags parse");
-        };
-        let err = args.into_config().map(|_| ()).expect_err("rejected");
+        .map(|_| ())
+        .expect_err("rejected");
         assert_eq!(err.flag, "--kafka-config");
         assert!(
             err.reason.contains("queue.buffering.max.kbytes=65536"),
