@@ -150,16 +150,24 @@ pub async fn collect(
                 next_read = started + every.max(took * 20);
                 snapshot = match read {
                     Ok(g) => Some(g),
-                    Err(e) => {
-                        // Said, or the gauges would vanish with no trace of
-                        // why: most often a backlog so large that counting
-                        // it outlasts the session's statement timeout.
+                    Err(e) if took * 20 > every => {
+                        // A slow failure puts the next read off for longer
+                        // than an interval: said, or the gauges would vanish
+                        // for minutes with no trace of why (most often a
+                        // backlog so large that counting it outlasts the
+                        // session's statement timeout). A quick one is tried
+                        // again at the next interval, and the relay's own
+                        // sessions report what ails Postgres.
                         tracing::warn!(
                             error = %e,
                             took = ?took,
                             next_in = ?next_read.saturating_duration_since(tokio::time::Instant::now()),
                             "reading the database gauges (backlog, oldest pending, dead letters) failed; they are not exported until the next read"
                         );
+                        None
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "reading the database gauges failed; trying again at the next interval");
                         None
                     }
                 };
