@@ -97,6 +97,18 @@ pub enum ConsumeError<E> {
     /// be delivered again.
     #[error("message handler failed")]
     Handler(#[source] E),
+    /// The handler returned `Ok`, but a statement it ran had failed, which
+    /// aborted the transaction: nothing was committed, and the message will be
+    /// delivered again. Postgres answers a COMMIT in an aborted transaction by
+    /// rolling it back, without an error, so this is checked before the
+    /// commit. To go on past a statement that may fail (a unique violation
+    /// taken as "already there", say), run it in a savepoint
+    /// (`tx.savepoint(..)`) and roll that back.
+    #[error(
+        "the message handler returned Ok from an aborted transaction (a statement of its \
+         failed); nothing was committed"
+    )]
+    Aborted(#[source] Error),
     /// The broker call that settles the delivery failed. If the transaction had
     /// committed, the redelivery is recognized as a duplicate.
     #[cfg(feature = "amqp")]
@@ -164,6 +176,16 @@ where
         .handle(&tx, message)
         .await
         .map_err(ConsumeError::Handler)?;
+    // One statement before the commit tells an aborted transaction: its
+    // COMMIT would end in a rollback that tokio-postgres reports as success,
+    // and the message would be settled with neither its effect nor its id.
+    tx.batch_execute("SELECT 1").await.map_err(|e| {
+        if e.code() == Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION) {
+            ConsumeError::Aborted(e.into())
+        } else {
+            ConsumeError::Inbox(e.into())
+        }
+    })?;
     tx.commit()
         .await
         .map_err(|e| ConsumeError::Inbox(e.into()))?;

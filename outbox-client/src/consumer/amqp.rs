@@ -171,7 +171,10 @@ impl AmqpInbox {
         while let Some(next) = deliveries.next().await {
             let delivery = next.map_err(ConsumeError::Amqp)?;
             match self.handle(client, &delivery, handler).await {
-                Ok(_) | Err(ConsumeError::MissingMessageId) | Err(ConsumeError::Handler(_)) => {}
+                Ok(_)
+                | Err(ConsumeError::MissingMessageId)
+                | Err(ConsumeError::Handler(_))
+                | Err(ConsumeError::Aborted(_)) => {}
                 Err(e) if e.is_closed() => return Err(e),
                 Err(ConsumeError::Inbox(_)) => {}
                 Err(e) => return Err(e),

@@ -288,6 +288,59 @@ async fn handler_error_means_redelivery_not_ack() {
     scene.finish().await;
 }
 
+/// Applies the effect; on its first call it then runs a statement that
+/// fails, and goes on as if it had not (a unique violation taken as
+/// "already there", say), returning `Ok`.
+struct SwallowFirst {
+    table: String,
+    swallow: AtomicBool,
+}
+
+impl Handler<Delivery> for SwallowFirst {
+    type Error = EffectError;
+    async fn handle(&self, tx: &Transaction<'_>, d: &Delivery) -> Result<(), EffectError> {
+        let message = String::from_utf8_lossy(&d.data).into_owned();
+        apply_effect(tx, &self.table, &message).await?;
+        if self.swallow.swap(false, Ordering::SeqCst) {
+            let failed = tx.batch_execute("SELECT 1/0").await;
+            assert!(failed.is_err(), "the statement meant to fail went through");
+        }
+        Ok(())
+    }
+}
+
+/// A handler that swallows a failed statement's error and returns `Ok` has
+/// left its transaction aborted. Postgres answers the COMMIT of an aborted
+/// transaction by rolling it back, without an error: the delivery was acked
+/// with neither its effect nor its id recorded, and the message was lost.
+/// Now the helper tells, requeues, and the next delivery applies it once.
+#[tokio::test]
+async fn a_handler_returning_ok_from_an_aborted_transaction_gets_its_message_again() {
+    let scene = Scene::new(FieldTable::default()).await;
+    publish(&scene.queue, "swallowed", Some("id-swallowed"), 1).await;
+    let handler = SwallowFirst {
+        table: scene.effects.clone(),
+        swallow: AtomicBool::new(true),
+    };
+    let inbox =
+        AmqpInbox::new(Inbox::with_schema(scene.db.schema.clone()), "counter").expect("consumer");
+    let mut consumer = scene.consumer(1).await;
+    let d = consumer.next("delivery").await;
+    let first = inbox.handle(&mut consumer.client, &d, &handler).await;
+    assert!(
+        matches!(first, Err(ConsumeError::Aborted(_))),
+        "the aborted transaction was taken for a commit: {first:?}, effect applied {} times",
+        scene.applied("swallowed").await
+    );
+    let again = consumer.next("redelivery").await;
+    assert!(again.redelivered);
+    let second = inbox.handle(&mut consumer.client, &again, &handler).await;
+    assert!(matches!(second, Ok(Arrival::New)), "{second:?}");
+    consumer.close().await;
+    assert_eq!(scene.applied("swallowed").await, 1);
+    scene.finish().await;
+}
+
 /// A delivery without a usable message id is a clear error, and the
 /// dead-letter policy sends it to the queue's dead-letter exchange instead of
 /// requeueing. An id that holds a NUL character cannot be recorded (Postgres
