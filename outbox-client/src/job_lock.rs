@@ -202,6 +202,10 @@ where
     F: FnOnce(Lease) -> Fut,
     Fut: Future<Output = T>,
 {
+    // The session sends nothing while the job runs: a server that ends idle
+    // sessions (`idle_session_timeout` set for the database or role) would
+    // end it mid-job and free the lock for another instance.
+    client.batch_execute("SET idle_session_timeout = 0").await?;
     let got: bool = client
         .query_one(
             "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",

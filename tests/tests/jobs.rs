@@ -176,6 +176,47 @@ async fn cron_job_that_panics_releases_the_lock() {
     db.cleanup().await;
 }
 
+/// A server that ends idle sessions (`idle_session_timeout`, set for the
+/// database or role, as some teams do against leaked connections): the
+/// lock's session sends nothing while the job runs, so the server ended it
+/// mid-job, the lock went with it, and a second instance ran the job at the
+/// same time; the first then got `Unlock` and lost its output. The lock's
+/// session now turns the timeout off for itself.
+#[tokio::test]
+async fn a_server_ending_idle_sessions_does_not_free_a_running_jobs_lock() {
+    let db = TestDb::new().await;
+    let job = unique("idle");
+    let mut config = db.config.clone();
+    config.options("-c idle_session_timeout=300");
+    let (running_tx, running_rx) = tokio::sync::oneshot::channel::<()>();
+    let (name, first_config) = (job.clone(), config.clone());
+    let first = tokio::spawn(async move {
+        run_exclusive(&first_config, &name, |_| async move {
+            let _ = running_tx.send(());
+            // Several idle timeouts long.
+            tokio::time::sleep(Duration::from_millis(2_000)).await;
+            "first"
+        })
+        .await
+    });
+    running_rx.await.expect("the first run started");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let second = run_exclusive(&config, &job, |_| async { "second" })
+        .await
+        .expect("lock query");
+    assert_eq!(
+        second,
+        Exclusive::Busy,
+        "a second instance ran the job while the first still ran it"
+    );
+    let first = first.await.expect("no panic");
+    assert!(
+        matches!(first, Ok(Exclusive::Ran("first"))),
+        "the first run lost its output: {first:?}"
+    );
+    db.cleanup().await;
+}
+
 // ------------------------------------------------------------- checkpoint
 
 /// A checkpointed job over 100,000 rows, SIGKILLed at random points and
