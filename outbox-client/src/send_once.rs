@@ -209,6 +209,13 @@ impl SendOnce {
             }
             Order::SendThenRecord => {
                 let tx = client.transaction().await.map_err(db)?;
+                // The transaction sits idle while `send` runs: a server that
+                // ends such sessions (`idle_in_transaction_session_timeout`)
+                // would free the key mid-send, and a waiting attempt would
+                // send too.
+                tx.batch_execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+                    .await
+                    .map_err(db)?;
                 // The uncommitted row holds the key: a concurrent attempt waits
                 // here until this one commits (then finds it) or rolls back.
                 let recorded = tx

@@ -104,6 +104,56 @@ async fn send_once_orders_behave_as_documented() {
 
 // ---------------------------------------------------------------- webhook
 
+/// Send-then-record keeps its record's transaction open, idle, while the
+/// send runs. A server that ends sessions idle in a transaction
+/// (`idle_in_transaction_session_timeout`, often 30-60 s on managed
+/// Postgres) ended it mid-send: the key was freed, an attempt waiting on it
+/// sent the notification too, and the first failed its commit. The record's
+/// transaction now turns the timeout off for itself.
+#[tokio::test]
+async fn send_then_record_outlasting_the_servers_idle_in_transaction_timeout_sends_once() {
+    let db = TestDb::new().await;
+    let notes = SendOnce::with_schema(db.schema.clone());
+    let mut config = db.config.clone();
+    config.options("-c idle_in_transaction_session_timeout=300");
+    let n = Notification::new("user-1", "slow-send", "once").expect("key");
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (sending_tx, sending_rx) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let (notes, n, calls, config) =
+            (notes.clone(), n.clone(), Arc::clone(&calls), config.clone());
+        tokio::spawn(async move {
+            let mut client = connect(&config).await;
+            notes
+                .send(&mut client, &n, Order::SendThenRecord, || async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let _ = sending_tx.send(());
+                    // Several idle timeouts long.
+                    tokio::time::sleep(Duration::from_millis(2_000)).await;
+                    Ok::<(), std::io::Error>(())
+                })
+                .await
+        })
+    };
+    sending_rx.await.expect("the first attempt is sending");
+    let mut client = connect(&config).await;
+    let second = notes
+        .send(&mut client, &n, Order::SendThenRecord, || async {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Ok::<(), std::io::Error>(())
+        })
+        .await;
+    let first = first.await.expect("no panic");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "sent twice: first {first:?}, second {second:?}"
+    );
+    assert!(matches!(first, Ok(Sent::Sent)), "{first:?}");
+    assert!(matches!(second, Ok(Sent::AlreadySent)), "{second:?}");
+    db.cleanup().await;
+}
+
 /// POSTs `body` to `addr` over plain HTTP/1.1 and returns the status code and body.
 async fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr)
