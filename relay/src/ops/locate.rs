@@ -170,16 +170,36 @@ pub async fn locate(
         }
         Err(e) => return Err(e.into()),
     }
-    if let Some(r) = client
+    // An id may have left the outbox more than once: an app may enqueue it
+    // again once its first message has gone, and either may have been
+    // dead-lettered (V20 lets the dead letters share an id). The newest
+    // departure answers.
+    let dead = client
         .query_opt(
             &format!(
                 "SELECT destination, ordering_key, attempts, last_error, dead_at FROM {s}.dead_letters \
-                 WHERE message_id = $1"
+                 WHERE message_id = $1 ORDER BY dead_at DESC, id DESC LIMIT 1"
             ),
             &[&id],
         )
-        .await?
-    {
+        .await?;
+    // Retention mode keeps published rows; the newest wins if an id was reused.
+    let published = client
+        .query_opt(
+            &format!(
+                "SELECT destination, ordering_key, attempts, published_at, receipt FROM {s}.published \
+                 WHERE message_id = $1 ORDER BY published_at DESC LIMIT 1"
+            ),
+            &[&id],
+        )
+        .await?;
+    let dead_at = |r: &tokio_postgres::Row| r.get::<_, Option<SystemTime>>(4);
+    let published_at = |r: &tokio_postgres::Row| r.get::<_, SystemTime>(3);
+    let dead = match (dead, &published) {
+        (Some(d), Some(p)) if dead_at(&d).is_some_and(|at| at < published_at(p)) => None,
+        (dead, _) => dead,
+    };
+    if let Some(r) = dead {
         return Ok(located(Location::DeadLettered {
             destination: r.get(0),
             key: r.get(1),
@@ -189,18 +209,8 @@ pub async fn locate(
             dead_age_s: age_secs(r.get(4)),
         }));
     }
-    // Retention mode keeps published rows; the newest wins if an id was reused.
-    if let Some(r) = client
-        .query_opt(
-            &format!(
-                "SELECT destination, ordering_key, attempts, published_at, receipt FROM {s}.published \
-                 WHERE message_id = $1 ORDER BY published_at DESC LIMIT 1"
-            ),
-            &[&id],
-        )
-        .await?
-    {
-        let published_at: SystemTime = r.get(3);
+    if let Some(r) = published {
+        let published_at = published_at(&r);
         return Ok(located(Location::Published {
             destination: r.get(0),
             key: r.get(1),

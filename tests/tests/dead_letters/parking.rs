@@ -335,6 +335,13 @@ async fn a_message_id_dead_lettered_twice_repeats_nothing_and_stalls_nothing() {
     assert_eq!(code, 0, "{err}");
     let listed: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    // `locate` answers with the newest; it failed with "query returned an
+    // unexpected number of rows" and exit 1, README's "found nowhere".
+    let (code, out, err) = cli(db, &["locate", &reused.to_string(), "--json"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let located: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(located["state"], "dead_lettered", "{located}");
+    assert_eq!(located["key"], "q", "the newest dead letter: {located}");
     setup.finish().await;
 }
 
