@@ -397,13 +397,20 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
         });
     }
     // Transactions stuck only in such a commit are that blocker, not this.
+    // Neither is (auto)vacuum, whose horizon no one waits for (VACUUM FULL
+    // is a rewrite, and does hold it), nor a relay's own session: a batch
+    // open this long waits for the broker, and ending it sends the batch
+    // again.
     for r in client
         .query(
             "SELECT pid, application_name, state, extract(epoch FROM now() - xact_start)::float8 \
              FROM pg_stat_activity \
              WHERE xact_start < now() - interval '10 seconds' AND pid <> pg_backend_pid() \
                AND datname = current_database() \
+               AND backend_type = 'client backend' \
                AND wait_event IS DISTINCT FROM 'SyncRep' \
+               AND NOT (state = 'active' AND query ~* '^\\s*vacuum\\M' AND query !~* '\\mfull\\M') \
+               AND application_name NOT LIKE 'outbox-relay%' \
              ORDER BY xact_start LIMIT 5",
             &[],
         )

@@ -202,3 +202,93 @@ async fn locate_and_list_answer_for_fresh_rows_and_times_before_1970() {
     assert_eq!(code, 0, "{err}");
     db.cleanup().await;
 }
+
+/// `status` names as `long_transaction` only what holds the horizon back
+/// and is an operator's to end. It also named a plain VACUUM, which holds
+/// no one back, and a relay's own batch waiting on a slow broker, which the
+/// runbook then said to end: that sends the whole batch again.
+#[tokio::test]
+async fn status_names_long_transactions_but_not_vacuum_or_a_relays_own_batch() {
+    let db = TestDb::new().await;
+    let s = db.schema.quoted();
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {s}.churn AS SELECT g, repeat('x', 100) AS pad FROM generate_series(1, 100000) g; \
+             DELETE FROM {s}.churn WHERE g % 2 = 0"
+        ))
+        .await
+        .expect("a table to vacuum");
+    let session = |name: &'static str| {
+        let mut config = db.config.clone();
+        config.application_name(name);
+        async move { outbox_tests::db::connect(&config).await }
+    };
+    // A report left open by an app: the one to name.
+    let app = session("reports").await;
+    app.batch_execute("BEGIN; SELECT 1").await.expect("open");
+    // A relay's batch waiting on its broker.
+    let relay = session("outbox-relay").await;
+    relay.batch_execute("BEGIN; SELECT 1").await.expect("open");
+    // A throttled plain VACUUM, still running when status reads.
+    let vacuum = session("maintenance").await;
+    vacuum
+        .batch_execute("SET vacuum_cost_delay = '100ms'; SET vacuum_cost_limit = 1")
+        .await
+        .expect("throttle");
+    let (app_pid, relay_pid, vacuum_pid) = (
+        backend_pid(&app).await,
+        backend_pid(&relay).await,
+        backend_pid(&vacuum).await,
+    );
+    let running = tokio::spawn(async move {
+        let _ = vacuum.batch_execute(&format!("VACUUM {s}.churn")).await;
+    });
+    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
+    let vacuuming: bool = db
+        .client
+        .query_one(
+            "SELECT count(*) = 1 FROM pg_stat_activity WHERE pid = $1 AND query ILIKE 'VACUUM%'",
+            &[&vacuum_pid],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0);
+    assert!(vacuuming, "the VACUUM ended before status could see it");
+    let (_, out, err) = cli(&db, &["status", "--json"]).await;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    let named: Vec<i64> = v["blockers"]
+        .as_array()
+        .expect("blockers")
+        .iter()
+        .filter(|b| b["kind"] == "long_transaction")
+        .filter_map(|b| b["pid"].as_i64())
+        .collect();
+    let _ = db
+        .client
+        .execute("SELECT pg_cancel_backend($1)", &[&vacuum_pid])
+        .await;
+    let _ = running.await;
+    drop((app, relay));
+    assert!(
+        named.contains(&i64::from(app_pid)),
+        "the app's open transaction is not named: {v}"
+    );
+    assert!(
+        !named.contains(&i64::from(vacuum_pid)),
+        "a plain VACUUM is named as a long transaction: {v}"
+    );
+    assert!(
+        !named.contains(&i64::from(relay_pid)),
+        "a relay's own batch is named as a long transaction: {v}"
+    );
+    db.cleanup().await;
+}
+
+async fn backend_pid(client: &tokio_postgres::Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0)
+}
