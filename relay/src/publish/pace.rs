@@ -93,12 +93,15 @@ impl Pace {
         })
     }
 
-    /// A batch went through whole in `took` of the `allowed` time: under a
-    /// quarter of it, the limit grows by a quarter, and is lifted once past
-    /// any batch the relay would claim.
-    pub fn speed_up(&self, took: Duration, allowed: Duration) {
+    /// A batch of `carried` payload bytes went through whole in `took` of
+    /// the `allowed` time: under a quarter of it, the limit grows by a
+    /// quarter, and is lifted once past any batch the relay would claim.
+    /// Only a batch of at least half the limit counts: a trickle of small
+    /// batches says nothing of how a full one fares, and would lift the
+    /// limit before the next burst, to be cut again.
+    pub fn speed_up(&self, carried: usize, took: Duration, allowed: Duration) {
         let bytes = self.bytes.load(Ordering::Relaxed);
-        if bytes == 0 || took >= allowed / 4 {
+        if bytes == 0 || took >= allowed / 4 || carried < bytes / 2 {
             return;
         }
         let next = bytes + bytes / 4;
@@ -118,7 +121,7 @@ mod tests {
     #[test]
     fn shrinks_to_a_quarter_of_what_got_through_and_grows_back_with_time_to_spare() {
         let pace = Pace::default();
-        pace.speed_up(Duration::ZERO, SECOND);
+        pace.speed_up(1 << 20, Duration::ZERO, SECOND);
         assert_eq!(pace.limit(), None, "no limit until a batch is cut short");
         pace.slow_down(400_000, "test");
         assert_eq!(pace.limit(), Some(100_000));
@@ -126,18 +129,39 @@ mod tests {
         assert_eq!(pace.limit(), Some(100_000), "never raised by a cut");
         pace.slow_down(1_000, "test");
         assert_eq!(pace.limit(), Some(MIN_BYTES), "never below the floor");
-        pace.speed_up(SECOND / 4, SECOND);
+        pace.speed_up(MIN_BYTES, SECOND / 4, SECOND);
         assert_eq!(
             pace.limit(),
             Some(MIN_BYTES),
             "a quarter of the time is not to spare"
         );
-        pace.speed_up(SECOND / 5, SECOND);
+        pace.speed_up(MIN_BYTES, SECOND / 5, SECOND);
         assert_eq!(pace.limit(), Some(MIN_BYTES + MIN_BYTES / 4));
         for _ in 0..100 {
-            pace.speed_up(Duration::ZERO, SECOND);
+            let full = pace.limit().unwrap_or(0);
+            pace.speed_up(full, Duration::ZERO, SECOND);
         }
         assert_eq!(pace.limit(), None, "lifted once past any batch");
+    }
+
+    /// A trickle after a cut: single small messages going through with
+    /// time to spare lifted the limit within about 50 batches (well under a
+    /// second at the default poll), and the next burst went out at full
+    /// size over the same slow link, to be cut again, its copies sent twice.
+    #[test]
+    fn a_trickle_of_small_batches_keeps_the_limit_a_cut_set() {
+        let pace = Pace::default();
+        pace.slow_down(400_000, "test");
+        for _ in 0..1_000 {
+            pace.speed_up(1_024, Duration::from_millis(1), Duration::from_secs(30));
+        }
+        assert_eq!(pace.limit(), Some(100_000));
+        pace.speed_up(50_000, Duration::from_millis(1), Duration::from_secs(30));
+        assert_eq!(
+            pace.limit(),
+            Some(125_000),
+            "a batch of half the limit counts"
+        );
     }
 
     #[test]

@@ -615,7 +615,9 @@ impl Publisher for AmqpPublisher {
                 outcomes[i] = Some(outcome);
             }
             drop(pending);
-            self.pace.speed_up(started.elapsed(), deadline - started);
+            let carried = sent.iter().map(|(i, _)| batch[*i].payload.len()).sum();
+            self.pace
+                .speed_up(carried, started.elapsed(), deadline - started);
             self.broker.give_back(&connection, channel).await;
         } else {
             // Cut short, or the connection lost: what the broker confirmed

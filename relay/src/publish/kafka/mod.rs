@@ -421,7 +421,7 @@ impl KafkaPublisher {
             self.pace.timed_out_whole(sent, "kafka");
         } else if batch_error.is_none() && without_offset == 0 {
             self.pace
-                .speed_up(started.elapsed(), self.settings.message_timeout);
+                .speed_up(sent, started.elapsed(), self.settings.message_timeout);
         }
         if let Some(e) = batch_error {
             self.recover_if_stuck(producer, Some(&e));
