@@ -643,6 +643,11 @@ pub struct Head {
     headers: i64,
 }
 
+/// `None` for an empty string.
+fn non_empty(s: Option<String>) -> Option<String> {
+    s.filter(|s| !s.is_empty())
+}
+
 impl Head {
     /// By position, in the lock statement's column order (by name, each
     /// column costs a search of the row's columns, twice per message).
@@ -653,8 +658,11 @@ impl Head {
             destination: row.try_get(2)?,
             ordering_key: row.try_get(3)?,
             routing_key: row.try_get(4)?,
-            content_type: row.try_get(5)?,
-            event_type: row.try_get(6)?,
+            // Plain SQL may write '' (the client and enqueue() refuse it):
+            // it means none, and a CloudEvent's `type` and `datacontenttype`
+            // must not be empty.
+            content_type: non_empty(row.try_get(5)?),
+            event_type: non_empty(row.try_get(6)?),
             created_at: row.try_get(7)?,
             attempts: row.try_get(8)?,
             size: row.try_get(9)?,
