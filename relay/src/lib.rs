@@ -112,6 +112,7 @@ async fn serve_relay<P: publish::Publisher>(
     publisher: P,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let park = config.settings.park_on_dead_letter;
     let relay = Relay::new(
         config.pg.clone(),
         config.schema.clone(),
@@ -154,6 +155,7 @@ async fn serve_relay<P: publish::Publisher>(
             config.schema,
             std::sync::Arc::clone(&stats),
             db_gauges,
+            park,
             std::time::Duration::from_secs(5),
             stop.clone(),
         )));

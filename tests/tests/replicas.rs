@@ -34,7 +34,7 @@ fn replica_env(db: &TestDb) -> Vec<(&'static str, String)> {
 
 /// Partition sets per live replica, from `status`.
 async fn ownership(db: &TestDb) -> Vec<Vec<i64>> {
-    let v = outbox_relay::ops::status(&db.client, &db.schema)
+    let v = outbox_relay::ops::status(&db.client, &db.schema, true)
         .await
         .expect("status");
     v.replicas

@@ -147,9 +147,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 })??;
             println!("{path}: {answer}");
         }
-        Command::Status { db, json } => {
+        Command::Status {
+            db,
+            json,
+            dead_letter_order,
+        } => {
             let client = connect(&db).await?;
-            let v = ops::status(&client, &db.schema).await?;
+            let park = dead_letter_order == crate::config::DeadLetterOrder::Park;
+            let v = ops::status(&client, &db.schema, park).await?;
             print_out(&v, json, render::status_text);
             // A health check in a script: exit 1, after the report, when no
             // relay is running on this schema (nothing will publish).
@@ -157,9 +162,15 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 anyhow::bail!("no relay replica is running on schema {}", db.schema);
             }
         }
-        Command::Locate { db, id, json } => {
+        Command::Locate {
+            db,
+            id,
+            json,
+            dead_letter_order,
+        } => {
             let mut client = connect(&db).await?;
-            let v = ops::locate(&mut client, &db.schema, id).await?;
+            let park = dead_letter_order == crate::config::DeadLetterOrder::Park;
+            let v = ops::locate(&mut client, &db.schema, id, park).await?;
             print_out(&v, json, render::locate_text);
             // Scripts can tell "not here" from a message somewhere by the
             // exit code: 1, after the report.

@@ -77,6 +77,10 @@ pub enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// How the relay treats a dead letter's later messages, as given
+        /// to `run`: under `skip` they go ahead, and no key is parked.
+        #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
+        dead_letter_order: DeadLetterOrder,
     },
     /// Inspect, retry or discard dead-lettered messages.
     DeadLetters {
@@ -97,6 +101,10 @@ pub enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// How the relay treats a dead letter's later messages, as given
+        /// to `run`: under `skip` they go ahead, and no key is parked.
+        #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
+        dead_letter_order: DeadLetterOrder,
     },
     /// Hold back one destination for every replica: its rows wait in the
     /// outbox (not claimed, no attempts counted) until `resume`. A key with a

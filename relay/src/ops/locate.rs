@@ -120,11 +120,13 @@ impl Location {
 
 /// Where message `id` is: waiting (and what holds it back), in flight,
 /// dead-lettered (why), published (with `--retention`), or not known (rows
-/// are deleted on confirm).
+/// are deleted on confirm). With `park` (the relay's `--dead-letter-order
+/// park`), a message behind its key's dead letter is parked.
 pub async fn locate(
     client: &mut Client,
     schema: &SchemaName,
     id: Uuid,
+    park: bool,
 ) -> Result<Located, OpsError> {
     let located = |location| Located {
         message_id: id,
@@ -143,7 +145,7 @@ pub async fn locate(
         )
         .await;
     match probe {
-        Ok(Some(r)) => return Ok(located(waiting(&tx, &s, &r).await?)),
+        Ok(Some(r)) => return Ok(located(waiting(&tx, &s, &r, park).await?)),
         Ok(None) => drop(tx),
         Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
             drop(tx);
@@ -158,7 +160,7 @@ pub async fn locate(
                 )
                 .await?;
             if let Some(r) = row {
-                let location = waiting(&*client, &s, &r).await?;
+                let location = waiting(&*client, &s, &r, park).await?;
                 if matches!(location, Location::Parked(_) | Location::Paused(_)) {
                     return Ok(located(location));
                 }
@@ -232,6 +234,7 @@ async fn waiting(
     client: &impl GenericClient,
     s: &str,
     r: &tokio_postgres::Row,
+    park: bool,
 ) -> Result<Location, OpsError> {
     let next: SystemTime = r.get(7);
     let mut w = Waiting {
@@ -263,7 +266,7 @@ async fn waiting(
         )
         .await?;
     let blocker = match &w.key {
-        Some(k) => client
+        Some(k) if park => client
             .query_opt(
                 &format!(
                     "SELECT message_id::text FROM {s}.dead_letters \
@@ -273,7 +276,7 @@ async fn waiting(
             )
             .await?
             .map(|r| r.get::<_, String>(0)),
-        None => None,
+        _ => None,
     };
     Ok(if let Some(p) = paused {
         w.why = Some(format!(

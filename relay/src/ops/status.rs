@@ -245,8 +245,10 @@ pub enum Blocker {
     },
 }
 
-/// Reads the report for `schema`.
-pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsError> {
+/// Reads the report for `schema`. With `park` (the relay's
+/// `--dead-letter-order park`), a dead letter's later messages of its key are
+/// listed as parked; under `skip` they go ahead, and no key is.
+pub async fn status(client: &Client, schema: &SchemaName, park: bool) -> Result<Status, OpsError> {
     let s = schema.quoted();
     let backlog: Vec<DestinationBacklog> = inspect::backlog(client, schema)
         .await?
@@ -279,8 +281,11 @@ pub async fn status(client: &Client, schema: &SchemaName) -> Result<Status, OpsE
         oldest_at: at(oldest_retained),
         oldest_age_s: age_secs(oldest_retained),
     };
-    let parked_keys = inspect::parked_keys(client, schema, PARKED_SHOWN)
-        .await?
+    let parked = match park {
+        true => inspect::parked_keys(client, schema, PARKED_SHOWN).await?,
+        false => Vec::new(),
+    };
+    let parked_keys = parked
         .into_iter()
         .map(|p| ParkedKey {
             key: p.key,

@@ -85,7 +85,8 @@ pub async fn parked_keys(
     let rows = client
         .query(
             &format!(
-                "SELECT d.ordering_key, min(d.message_id::text), count(DISTINCT m.seq) \
+                "SELECT d.ordering_key, (array_agg(d.message_id::text ORDER BY d.seq))[1], \
+                        count(DISTINCT m.seq) \
                  FROM {s}.dead_letters d JOIN {s}.messages m \
                    ON m.ordering_key = d.ordering_key AND m.seq > d.seq \
                  GROUP BY d.ordering_key ORDER BY 3 DESC LIMIT $1"

@@ -109,7 +109,7 @@ async fn idle_in_transaction_blocker_is_named(sink: Sink) {
     // The blocker has been open well past status' 10 s threshold by now, or soon.
     let mut named = false;
     for _ in 0..300 {
-        let v = outbox_relay::ops::status(&db.client, &db.schema)
+        let v = outbox_relay::ops::status(&db.client, &db.schema, true)
             .await
             .expect("status");
         named = v.blockers.iter().any(|b| {

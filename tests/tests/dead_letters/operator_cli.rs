@@ -292,3 +292,63 @@ async fn backend_pid(client: &tokio_postgres::Client) -> i32 {
         .expect("pid")
         .get(0)
 }
+
+/// A key with two dead letters, whose message ids do not follow their seqs
+/// (app-chosen ids, or SQL `enqueue()` within one millisecond), and a later
+/// message waiting. Under `park`, `status` names the dead letter the claim
+/// and `locate` wait behind, the lowest seq; it named the lowest message id.
+/// Under `skip` no key is parked: `status` and `locate` said parked all the
+/// same, and the runbook then blamed the dead letter.
+#[tokio::test]
+async fn parked_keys_name_the_first_dead_letter_and_only_under_park() {
+    let db = TestDb::new().await;
+    let (first, second) = (
+        "ffffffff-0000-7000-8000-000000000000",
+        "00000000-0000-7000-8000-000000000000",
+    );
+    for (seq, id) in [(-2_i64, first), (-1, second)] {
+        db.client
+            .execute(
+                &format!(
+                    "INSERT INTO {}.dead_letters (seq, message_id, destination, ordering_key, \
+                     routing_key, headers, payload, created_at, attempts, last_error) \
+                     VALUES ($1, $2::text::uuid, 'orders', 'k', '', '{{}}', 'x', now(), 3, 'unroutable')",
+                    db.schema.quoted()
+                ),
+                &[&seq, &id],
+            )
+            .await
+            .expect("dead letter");
+    }
+    let waiting = db
+        .outbox()
+        .enqueue(&db.client, &msg("orders", "k", 1))
+        .await
+        .expect("enqueue")
+        .to_string();
+
+    let (_, out, err) = cli(&db, &["status", "--json"]).await;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    assert_eq!(v["parked_keys"][0]["key"], "k", "{v}");
+    assert_eq!(
+        v["parked_keys"][0]["behind_dead_letter"], first,
+        "the dead letter the key waits behind: {v}"
+    );
+    let (code, out, err) = cli(&db, &["locate", &waiting, "--json"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "parked", "{v}");
+    assert_eq!(v["behind_dead_letter"], first, "{v}");
+
+    let skip = ["--dead-letter-order", "skip"];
+    let (_, out, err) = cli(&db, &[&["status", "--json"][..], &skip].concat()).await;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    assert_eq!(v["parked_keys"], serde_json::json!([]), "{v}");
+    let (code, out, err) = cli(&db, &[&["locate", &waiting, "--json"][..], &skip].concat()).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["state"], "pending", "{v}");
+    db.cleanup().await;
+}
