@@ -558,7 +558,7 @@ async fn a_produce_outage_keeps_the_broker_reported_down_until_it_ends() {
 /// What of `written` went to partitions other than `offline` (of 4).
 /// The partitions of `topic` that `outbox-relay status` reports silent.
 async fn silent_in_status(db: &TestDb, topic: &str) -> Vec<i32> {
-    outbox_relay::ops::status::status(&db.client, &db.schema)
+    outbox_relay::ops::status::status(&db.client, &db.schema, true)
         .await
         .expect("status")
         .blockers

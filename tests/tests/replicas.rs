@@ -286,7 +286,7 @@ async fn cut_off_steps_aside(sink: Sink, cut: Cut) {
 /// Each replica `status` lists: whether it stepped aside, and how many
 /// partitions it owns.
 async fn standings(db: &TestDb) -> Vec<(bool, usize)> {
-    let v = outbox_relay::ops::status(&db.client, &db.schema)
+    let v = outbox_relay::ops::status(&db.client, &db.schema, true)
         .await
         .expect("status");
     let mut all: Vec<(bool, usize)> = v
@@ -547,7 +547,7 @@ async fn a_relay_and_status_run_on_a_schema_a_migration_behind() {
         db.pending().await,
         written.committed.len()
     );
-    let status = outbox_relay::ops::status(&db.client, &db.schema)
+    let status = outbox_relay::ops::status(&db.client, &db.schema, true)
         .await
         .expect("status on the older schema");
     assert_eq!(status.replicas.len(), 1);

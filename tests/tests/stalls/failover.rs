@@ -309,7 +309,7 @@ async fn settles_wait_for_a_missing_synchronous_standby_and_finish_once_it_is_dr
         "a settle became visible without the standby"
     );
     // `outbox-relay status` names the cause (reading needs no standby).
-    let status = outbox_relay::ops::status(&db.client, &db.schema)
+    let status = outbox_relay::ops::status(&db.client, &db.schema, true)
         .await
         .expect("status");
     assert!(
