@@ -333,10 +333,12 @@ pub async fn discard(
 }
 
 /// CTEs (`behind`, then `unheld`) that bring back the rows a claim set
-/// aside behind the dead letters in CTE `source` (rows never refused
-/// themselves, waiting behind their key's head), so the key flows again at
-/// once rather than at the next recheck. Safe however it races: the claim's
-/// head-of-key rule still holds back any row whose older rows remain.
+/// aside behind the dead letters in CTE `source`, so the key flows again at
+/// once rather than at the next recheck. That includes rows that had failed
+/// themselves before the key was parked: a claim sets them aside a recheck
+/// later too, and one still waiting out its own retry delay is only tried
+/// a little early. Safe however it races: the claim's head-of-key rule
+/// still holds back any row whose older rows remain.
 ///
 /// The rows are locked first, waiting for a claim that holds them: every
 /// recheck, a claim locks a parked key's rows that came due, finds the dead
@@ -349,7 +351,7 @@ fn unhold_keys_of(schema: &str, source: &str) -> String {
     format!(
         "behind AS (SELECT seq, next_attempt_at FROM {schema}.messages \
            WHERE ordering_key IN (SELECT ordering_key FROM {source} WHERE ordering_key IS NOT NULL) \
-             AND attempts = 0 AND next_attempt_at <> '-infinity' FOR UPDATE), \
+             AND next_attempt_at <> '-infinity' FOR UPDATE), \
          unheld AS (UPDATE {schema}.messages AS m SET next_attempt_at = now() FROM behind \
            WHERE m.seq = behind.seq AND behind.next_attempt_at > now() RETURNING 1)"
     )

@@ -352,3 +352,62 @@ async fn parked_keys_name_the_first_dead_letter_and_only_under_park() {
     assert_eq!(v["state"], "pending", "{v}");
     db.cleanup().await;
 }
+
+/// A later message of a parked key that had failed before (attempts > 0)
+/// and was set aside a recheck later: `discard` (like `retry`) brought back
+/// only rows that had never failed, so this one, and its key behind it,
+/// waited out the recheck (`--retry-max`, a minute by default).
+#[tokio::test]
+async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_before() {
+    let db = TestDb::new().await;
+    let dead = "01900000-0000-7000-8000-000000000001";
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO {}.dead_letters (seq, message_id, destination, ordering_key, \
+                 routing_key, headers, payload, created_at, attempts, last_error) \
+                 VALUES (-1, $1::text::uuid, 'orders', 'k', '', '{{}}', 'x', now(), 3, 'unroutable')",
+                db.schema.quoted()
+            ),
+            &[&dead],
+        )
+        .await
+        .expect("dead letter");
+    let later = db
+        .outbox()
+        .enqueue(&db.client, &msg("orders", "k", 1))
+        .await
+        .expect("enqueue");
+    // As a claim leaves it: failed twice, then set aside behind the dead
+    // letter until the next recheck.
+    db.client
+        .execute(
+            &format!(
+                "UPDATE {} SET attempts = 2, last_error = 'nacked', \
+                 next_attempt_at = now() + interval '60 seconds' WHERE message_id = $1",
+                db.table()
+            ),
+            &[&later.as_uuid()],
+        )
+        .await
+        .expect("set aside");
+    let (code, out, err) = cli(&db, &["dead-letters", "discard", "--id", dead, "--yes"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let due: bool = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT next_attempt_at <= now() FROM {} WHERE message_id = $1",
+                db.table()
+            ),
+            &[&later.as_uuid()],
+        )
+        .await
+        .expect("row")
+        .get(0);
+    assert!(
+        due,
+        "the key's row still waits for its recheck after the discard"
+    );
+    db.cleanup().await;
+}
