@@ -173,9 +173,17 @@ pub struct FilterArgs {
     pub all: bool,
 }
 
+/// An RFC 3339 time in UTC. One without a zone is refused: read as UTC, an
+/// operator's local time would select hours more (or fewer) dead letters
+/// than meant, for `discard` to delete.
 fn parse_time(s: &str) -> Result<std::time::SystemTime, String> {
+    if !s.trim_end().ends_with(['Z', 'z']) {
+        return Err(format!(
+            "{s:?} has no time zone: give the time in UTC with a Z, e.g. 2026-11-29T10:00:00Z"
+        ));
+    }
     humantime::parse_rfc3339_weak(s)
-        .map_err(|e| format!("{e} (use RFC 3339, e.g. 2026-11-29T10:00:00Z)"))
+        .map_err(|e| format!("{e} (use RFC 3339 in UTC, e.g. 2026-11-29T10:00:00Z)"))
 }
 
 impl From<FilterArgs> for crate::ops::Filter {
@@ -359,4 +367,22 @@ pub struct DemoArgs {
     /// Messages to commit.
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u16).range(1..=10_000))]
     pub count: u16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_since_without_a_time_zone_is_refused_not_read_as_utc() {
+        let err = parse_time("2026-11-29 10:00:00").expect_err("no zone");
+        assert!(err.contains("no time zone"), "{err}");
+        let err = parse_time("2026-11-29T10:00:00+02:00").expect_err("an offset");
+        assert!(err.contains("no time zone"), "{err}");
+        assert_eq!(
+            parse_time("2026-11-29T10:00:00Z"),
+            humantime::parse_rfc3339("2026-11-29T10:00:00Z").map_err(|e| e.to_string())
+        );
+        assert!(parse_time("2026-11-29 10:00:00Z").is_ok());
+    }
 }
