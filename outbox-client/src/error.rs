@@ -201,6 +201,38 @@ impl Error {
         )
     }
 
+    /// True when running the whole transaction again may succeed: a
+    /// serialization failure or deadlock, or a lost connection. Under
+    /// `REPEATABLE READ` or `SERIALIZABLE` (a database or role default, say),
+    /// a key committed by a concurrent transaction after this one's snapshot
+    /// surfaces as a serialization failure rather than as a duplicate: two
+    /// consumers racing on one message id, two checkpoint runners, two
+    /// send-once attempts. Run again, the inbox then answers `Duplicate`.
+    pub fn is_retryable(&self) -> bool {
+        use tokio_postgres::error::SqlState;
+        match self {
+            Error::Database(e) => {
+                e.is_closed()
+                    || matches!(
+                        e.code(),
+                        Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE
+                            || *c == SqlState::T_R_DEADLOCK_DETECTED
+                    )
+            }
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx(e) => match e {
+                ::sqlx::Error::Database(d) => {
+                    matches!(d.code().as_deref(), Some("40001") | Some("40P01"))
+                }
+                e => matches!(
+                    e,
+                    ::sqlx::Error::Io(_) | ::sqlx::Error::PoolClosed | ::sqlx::Error::WorkerCrashed
+                ),
+            },
+            _ => false,
+        }
+    }
+
     /// True when the database connection is gone; retrying on a new one may work.
     pub fn is_closed(&self) -> bool {
         match self {

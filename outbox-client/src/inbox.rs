@@ -129,7 +129,10 @@ impl Inbox {
     /// record would commit on its own, apart from the effect, which is exactly
     /// the bug this prevents. When another transaction has recorded the same id
     /// and not yet finished, this waits for it (the unique key's lock) and then
-    /// answers `Duplicate` if it committed, `New` if it rolled back.
+    /// answers `Duplicate` if it committed, `New` if it rolled back. Under
+    /// `REPEATABLE READ` or `SERIALIZABLE`, a commit that lands after this
+    /// transaction's snapshot is a serialization failure instead
+    /// ([`Error::is_retryable`]): roll back and run the message again.
     pub async fn process_once(
         &self,
         tx: &Transaction<'_>,

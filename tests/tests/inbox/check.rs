@@ -317,3 +317,49 @@ async fn the_sql_inbox_check_waits_for_a_concurrent_holder_whatever_the_callers_
     db.drop_empty_decoy(&decoy, "inbox").await;
     db.cleanup().await;
 }
+
+/// Under `REPEATABLE READ` (a database or role default), a second consumer
+/// whose snapshot predates the first one's commit does not get `Duplicate`
+/// but a serialization failure. It came back as a bare database error that
+/// callers could not tell from a broken schema; it says now that running
+/// the message again may succeed, and run again it is a duplicate.
+#[tokio::test]
+async fn a_race_under_repeatable_read_is_a_retryable_error_then_a_duplicate() {
+    let db = TestDb::new().await;
+    let inbox = Inbox::with_schema(db.schema.clone());
+    let id = outbox_tests::unique("m");
+    let mut first = outbox_tests::db::connect(&db.config).await;
+    let mut second = outbox_tests::db::connect(&db.config).await;
+    for c in [&first, &second] {
+        c.batch_execute("SET default_transaction_isolation = 'repeatable read'")
+            .await
+            .expect("isolation");
+    }
+    let a = first.transaction().await.expect("tx");
+    assert_eq!(
+        inbox.process_once(&a, "billing", &id).await.expect("first"),
+        Arrival::New
+    );
+    let b = second.transaction().await.expect("tx");
+    // The second consumer's snapshot is taken before the first commits.
+    b.batch_execute("SELECT 1").await.expect("snapshot");
+    let (raced, committed) = tokio::join!(inbox.process_once(&b, "billing", &id), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        a.commit().await
+    });
+    committed.expect("commit");
+    drop(b);
+    let err = raced.expect_err("a serialization failure under repeatable read");
+    assert!(err.is_retryable(), "{err:?}");
+    assert!(!err.is_invalid_input(), "{err:?}");
+    let again = second.transaction().await.expect("tx");
+    assert_eq!(
+        inbox
+            .process_once(&again, "billing", &id)
+            .await
+            .expect("again"),
+        Arrival::Duplicate
+    );
+    again.rollback().await.expect("rollback");
+    db.cleanup().await;
+}
