@@ -94,6 +94,21 @@ pub async fn collect(
     every: Duration,
     shutdown: CancellationToken,
 ) {
+    // A read or connect waiting on a server that answers nothing is
+    // dropped at shutdown, not waited out to its bound.
+    let collecting = collect_until(pg, schema, stats, db, park, every, shutdown.clone());
+    shutdown.run_until_cancelled(collecting).await;
+}
+
+async fn collect_until(
+    pg: crate::source::Database,
+    schema: SchemaName,
+    stats: Arc<Stats>,
+    db: SharedDbGauges,
+    park: bool,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
     let lock_sql = "SELECT pg_try_advisory_lock(hashtext('outbox-metrics:' || $1))";
     let mut client: Option<crate::source::Session> = None;
     // The session's statement_timeout is 30 s: past a minute, nothing is

@@ -49,6 +49,32 @@ pub async fn supervise<E, S, Fut>(
     }
 }
 
+/// [`supervise`] for a task that holds nothing a shutdown must finish: a
+/// session still waiting on a server that accepts connections and answers
+/// nothing is dropped at `shutdown`, rather than waited out to its bound.
+pub async fn supervise_until_cancelled<E, S, Fut>(
+    first: Duration,
+    max: Duration,
+    shutdown: &CancellationToken,
+    mut session: S,
+    on_failure: impl FnMut(&E),
+) where
+    S: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+{
+    supervise(
+        first,
+        max,
+        shutdown,
+        || {
+            let run = session();
+            async move { shutdown.run_until_cancelled(run).await.unwrap_or(Ok(())) }
+        },
+        on_failure,
+    )
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -537,3 +537,85 @@ async fn a_second_signal_stops_at_once_and_loses_nothing() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// SIGTERM while Postgres is stranded: a balancer whose backend vanished
+/// (HAProxy in front of a failing-over cluster) accepts connections and
+/// answers nothing. The relay's waits on Postgres are bounded by the hold
+/// limit, not by shutdown: the first signal was ignored until they ran out,
+/// at start-up (waiting for the schema) and while running (sessions
+/// reconnecting), and an orchestrator's kill came first. Both now stop
+/// within the shutdown grace. Nothing is in flight in either case: a batch
+/// stranded with its rows is the grace's to end (see the second-signal
+/// test).
+#[tokio::test]
+async fn sigterm_while_postgres_is_stranded_stops_within_the_grace() {
+    use outbox_tests::process::RelayProcess;
+    use outbox_tests::proxy::{Mode, Proxy};
+    const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let through = |link: &Proxy| {
+        let base = outbox_tests::pg_url();
+        let (head, tail) = base.rsplit_once('/').expect("a database in the url");
+        let host = head.rsplit_once('@').map_or(head, |(_, h)| h);
+        format!(
+            "{}/{tail}",
+            head.replacen(host, &format!("127.0.0.1:{}", link.port), 1)
+        )
+    };
+    let env = |link: &Proxy| {
+        vec![
+            ("OUTBOX_SCHEMA", db.schema.to_string()),
+            ("OUTBOX_DATABASE_URL", through(link)),
+            ("OUTBOX_CONFIRM_TIMEOUT", "300s".to_string()),
+            ("OUTBOX_HOLD_LIMIT", "900s".to_string()),
+            ("OUTBOX_SHUTDOWN_GRACE", "5s".to_string()),
+        ]
+    };
+
+    // At start-up: stranded before the relay's first connection.
+    let link = Proxy::start("127.0.0.1:5432").await;
+    link.set(Mode::Strand);
+    let mut relay = RelayProcess::start(RELAY_BIN, &env(&link));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(relay.exited().is_none(), "the relay gave up at start-up");
+    relay.signal("TERM").await;
+    let stopped = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    assert_eq!(
+        stopped,
+        Ok(Some(0)),
+        "stranded at start-up, SIGTERM did not stop the relay within 60 s (hold limit 900 s)"
+    );
+
+    // Running: it publishes, then Postgres goes silent under it.
+    let link = Proxy::start("127.0.0.1:5432").await;
+    let mut relay = RelayProcess::start(RELAY_BIN, &env(&link));
+    let first = outbox_client::Message::builder(rabbit.exchange.as_str())
+        .json(&0)
+        .build()
+        .expect("valid");
+    db.outbox()
+        .enqueue(&db.client, &first)
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            rabbit.count() >= 1 && db.pending().await == 0
+        })
+        .await,
+        "the relay never published"
+    );
+    link.set(Mode::Strand);
+    // Past the sessions' next polls and reconnects.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    relay.signal("TERM").await;
+    let stopped = tokio::time::timeout(Duration::from_secs(60), relay.wait()).await;
+    assert_eq!(
+        stopped,
+        Ok(Some(0)),
+        "with Postgres stranded, SIGTERM did not stop the relay within 60 s (grace 5 s, hold limit 900 s)"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}

@@ -170,6 +170,11 @@ impl<P: Publisher> Relay<P> {
             self.settings.retention.is_some(),
         );
         self.wait_for_schema(&queries, &shutdown).await?;
+        if shutdown.is_cancelled() {
+            // Stopped while waiting for Postgres: nothing ran.
+            self.publisher.close().await;
+            return Ok(());
+        }
 
         let (owned_tx, owned) = watch::channel(Arc::new(Vec::new()));
 
@@ -307,7 +312,13 @@ impl<P: Publisher> Relay<P> {
         // that will never answer.
         let bound = self.settings.hold_limit.max(Duration::from_secs(30));
         loop {
-            let fault = match source::connect(&self.pg, self.settings.hold_limit).await {
+            // A server that accepts connections and answers nothing keeps
+            // each wait here until its bound; shutdown does not wait with it.
+            let connected = tokio::select! {
+                c = source::connect(&self.pg, self.settings.hold_limit) => c,
+                _ = shutdown.cancelled() => return Ok(()),
+            };
+            let fault = match connected {
                 Ok(client) => {
                     // Bounded: a connection that stays open and silent (a
                     // balancer that lost its backend) would otherwise hold
@@ -336,8 +347,11 @@ impl<P: Publisher> Relay<P> {
                                 cause: e,
                             }),
                         }
-                    })
-                    .await;
+                    });
+                    let checked = tokio::select! {
+                        c = checked => c,
+                        _ = shutdown.cancelled() => return Ok(()),
+                    };
                     match checked {
                         Ok(Check::Ready) => return Ok(()),
                         Ok(Check::Stop(e)) => return Err(e),

@@ -148,7 +148,12 @@ impl<P: Publisher, S: Store> Worker<P, S> {
     /// empties, until shutdown (Ok) or a Postgres error (Err). Broker
     /// failures are waited out here, on the same session.
     async fn session(&mut self, shutdown: &CancellationToken) -> Result<(), SessionEnd> {
-        let mut db = self.store.open().await.map_err(|e| match e {
+        // Opening holds nothing a shutdown must finish, and a server that
+        // accepts connections and answers nothing keeps it until its bound.
+        let Some(opened) = shutdown.run_until_cancelled(self.store.open()).await else {
+            return Ok(());
+        };
+        let mut db = opened.map_err(|e| match e {
             OpenError::Connect(e) => SessionEnd::Connect(e),
             OpenError::Prepare(e) => SessionEnd::Prepare(e),
         })?;

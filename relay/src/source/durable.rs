@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::supervise::supervise;
+use crate::supervise::supervise_until_cancelled;
 
 /// The barrier the workers share: which claims wait for one, and which
 /// claims are covered.
@@ -206,7 +206,7 @@ pub async fn run(
             }
         }
     };
-    supervise(
+    supervise_until_cancelled(
         Duration::from_millis(100),
         reconnect_max,
         &shutdown,

@@ -83,7 +83,7 @@ use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
 use crate::source::ownership::{Owned, PARTITIONS};
-use crate::supervise::{sleep_or_cancel, supervise};
+use crate::supervise::{sleep_or_cancel, supervise_until_cancelled};
 
 /// How often the floor is moved while claims are running.
 pub const TICK: Duration = Duration::from_millis(100);
@@ -914,7 +914,7 @@ pub async fn run(
             }
         }
     };
-    supervise(
+    supervise_until_cancelled(
         Duration::from_millis(200),
         reconnect_max,
         &shutdown,

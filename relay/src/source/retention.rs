@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::claim::Queries;
-use crate::supervise::{sleep_or_cancel, supervise};
+use crate::supervise::{sleep_or_cancel, supervise_until_cancelled};
 
 /// How often expired rows are looked for: a tenth of the retention, between
 /// one second and one minute.
@@ -52,7 +52,7 @@ pub async fn run(
             }
         }
     };
-    supervise(
+    supervise_until_cancelled(
         Duration::from_millis(200),
         reconnect_max,
         &shutdown,
