@@ -10,6 +10,7 @@ use outbox_client::idempotency::{
     WhenInProgress,
 };
 use outbox_tests::db::{connect, TestDb, NEVER_EQUAL_TEXT};
+use outbox_tests::eventually;
 use outbox_tests::idempotency::SCOPE;
 
 /// Ceiling on any wait; a healthy run needs a small fraction of it.
@@ -154,12 +155,38 @@ async fn waiter_runs_the_request_when_the_holder_rolls_back() {
         .await
         .expect("effect");
 
+    let b_pid: i32 = b
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
     let waiter = {
         let waiting = waiting.clone();
         let table = table.clone();
         let k = k.clone();
         tokio::spawn(async move { run_once(&waiting, &mut b, &table, &k, "x").await })
     };
+    // The waiter has tried the key and found it held (its last statement is
+    // the try, and A still holds the key): what follows is the wait, not a
+    // first try that A's rollback beat.
+    assert!(
+        eventually(PATIENCE, || async {
+            db.client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE pid = $1 AND query LIKE '%pg_try_advisory_xact_lock%'",
+                    &[&b_pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get::<_, i64>(0)
+                == 1
+                // (Or it gave up on the key, for the outcome to tell.)
+                || waiter.is_finished()
+        })
+        .await,
+        "the waiter never tried the key"
+    );
     // A crash mid-handler: A's transaction ends without completing.
     tx_a.rollback().await.expect("rollback a");
     let outcome = tokio::time::timeout(PATIENCE, waiter)
