@@ -66,6 +66,10 @@ pub enum JobLockError {
     /// The job name is empty.
     #[error("job name is empty")]
     EmptyName,
+    /// The job name holds a NUL character, which Postgres text cannot
+    /// store.
+    #[error("job name contains a NUL character")]
+    NameContainsNul,
     /// Connecting to Postgres failed, or the lock query did.
     #[error("could not take the job lock")]
     Lock(#[source] tokio_postgres::Error),
@@ -147,6 +151,9 @@ where
 {
     if name.is_empty() {
         return Err(JobLockError::EmptyName);
+    }
+    if name.contains('\0') {
+        return Err(JobLockError::NameContainsNul);
     }
     let (client, connection) = config
         .connect(tls.clone())

@@ -217,6 +217,23 @@ async fn a_server_ending_idle_sessions_does_not_free_a_running_jobs_lock() {
     db.cleanup().await;
 }
 
+/// A job name with a NUL character is refused by name before connecting,
+/// like every other key the client takes; it was a bare lock error from
+/// Postgres, which cannot store one.
+#[tokio::test]
+async fn a_job_name_with_a_nul_is_refused_by_name() {
+    let db = TestDb::new().await;
+    let refused = run_exclusive(&db.config, "weekly\0report", |_| async {}).await;
+    assert!(
+        matches!(
+            refused,
+            Err(outbox_client::job_lock::JobLockError::NameContainsNul)
+        ),
+        "{refused:?}"
+    );
+    db.cleanup().await;
+}
+
 // ------------------------------------------------------------- checkpoint
 
 /// A checkpointed job over 100,000 rows, SIGKILLed at random points and
