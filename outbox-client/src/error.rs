@@ -82,6 +82,17 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
+    /// A batch too large for one statement: Postgres takes at most 1 GiB in
+    /// one protocol message, and refuses a larger one by closing the
+    /// connection. Nothing was sent; split the batch (in one transaction to
+    /// keep it atomic).
+    #[error("a batch of about {bytes} bytes exceeds the {limit} bytes one statement can carry; split it")]
+    BatchTooLarge {
+        /// The batch's size, as sent (payloads, headers and the other columns).
+        bytes: usize,
+        /// The most one statement carries.
+        limit: usize,
+    },
     /// Two messages of one batch carry the same caller-chosen id; neither
     /// was written.
     #[error("message id {message_id} is given to more than one message of the batch")]
@@ -197,6 +208,7 @@ impl Error {
                 | Error::InvalidSchemaName { .. }
                 | Error::EmptyKey { .. }
                 | Error::DuplicateInBatch { .. }
+                | Error::BatchTooLarge { .. }
                 | Error::Serialize(_)
         )
     }

@@ -55,6 +55,26 @@ pub struct Message {
 }
 
 impl Message {
+    /// About how many bytes the message takes in a batch's statement: its
+    /// columns, each array element's 4-byte length, the headers' JSON
+    /// quoting, and room for the trace headers the batch adds.
+    pub(crate) fn wire_bytes(&self) -> usize {
+        const PER_ROW: usize = 16 + 8 * 4 + 256;
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 6)
+            .sum();
+        PER_ROW
+            + self.destination.len()
+            + self.key.as_ref().map_or(0, String::len)
+            + self.routing_key.len()
+            + headers
+            + self.payload.len()
+            + self.content_type.as_ref().map_or(0, String::len)
+            + self.event_type.as_ref().map_or(0, String::len)
+    }
+
     /// Starts a message for `destination`: the AMQP exchange or the Kafka topic.
     pub fn builder(destination: impl Into<String>) -> MessageBuilder {
         MessageBuilder {

@@ -59,6 +59,11 @@ pub(crate) struct Rows<'a> {
     pub event_types: Option<Vec<Option<&'a str>>>,
 }
 
+/// The most one batch's statement may carry. Postgres refuses a protocol
+/// message over 1 GiB by closing the connection; the margin covers the
+/// statement's own framing.
+pub(crate) const MAX_STATEMENT_BYTES: usize = (1 << 30) - (1 << 20);
+
 impl<'a> Rows<'a> {
     /// Checks every message against `max_payload_bytes` before anything is
     /// written, and adds the enqueueing span's trace headers.
@@ -74,6 +79,13 @@ impl<'a> Rows<'a> {
                     limit: max_payload_bytes,
                 });
             }
+        }
+        let bytes: usize = messages.iter().map(Message::wire_bytes).sum();
+        if bytes > MAX_STATEMENT_BYTES {
+            return Err(Error::BatchTooLarge {
+                bytes,
+                limit: MAX_STATEMENT_BYTES,
+            });
         }
         // Only caller-chosen ids can repeat; the insert would fail on the
         // unique key, aborting the caller's transaction, as if one were

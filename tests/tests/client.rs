@@ -799,3 +799,45 @@ async fn a_batch_giving_one_id_twice_is_refused_before_any_sql() {
     assert_eq!(db.pending().await, 2);
     db.cleanup().await;
 }
+
+/// A batch over what one statement can carry: 1,100 messages at the
+/// default payload limit, about 1.05 GB. Postgres refuses a protocol message
+/// over 1 GiB by closing the connection, so the caller's transaction and
+/// connection were gone with an untyped error. It is now refused by name
+/// before any SQL, and the transaction goes on.
+#[tokio::test]
+async fn a_batch_too_large_for_one_statement_is_refused_before_any_sql() {
+    let mut db = TestDb::new().await;
+    let outbox = db.outbox();
+    let full = vec![b'x'; 983_040];
+    let batch: Vec<Message> = (0..1_100)
+        .map(|_| {
+            Message::builder("d")
+                .payload(full.clone())
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    let tx = db.client.transaction().await.expect("begin");
+    match outbox.enqueue_batch(&tx, &batch).await {
+        Err(e @ Error::BatchTooLarge { .. }) => {
+            assert!(e.is_invalid_input(), "{e}");
+            assert!(e.to_string().contains("split it"), "{e}");
+        }
+        other => panic!(
+            "expected BatchTooLarge, got {:?}",
+            other.map(|ids| ids.len())
+        ),
+    }
+    drop(batch);
+    outbox
+        .enqueue_batch(
+            &tx,
+            &[Message::builder("d").payload("y").build().expect("valid")],
+        )
+        .await
+        .expect("the transaction is still usable");
+    tx.commit().await.expect("commit");
+    assert_eq!(db.pending().await, 1);
+    db.cleanup().await;
+}
