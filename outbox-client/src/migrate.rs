@@ -92,6 +92,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V21__dead_letters_keyed_apart_from_seq",
         include_str!("../../migrations/V21__dead_letters_keyed_apart_from_seq.sql"),
     ),
+    (
+        "V22__enqueue_null_limit_is_the_default",
+        include_str!("../../migrations/V22__enqueue_null_limit_is_the_default.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

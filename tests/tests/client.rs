@@ -841,3 +841,37 @@ async fn a_batch_too_large_for_one_statement_is_refused_before_any_sql() {
     assert_eq!(db.pending().await, 1);
     db.cleanup().await;
 }
+
+/// `enqueue(max_payload_bytes => NULL)`, as a wrapper passing NULL for
+/// each parameter it was not given may send: the size check compared with
+/// NULL, which is never true, and let a payload of any size through, for
+/// the relay to dead-letter later. NULL is the default limit now.
+#[tokio::test]
+async fn the_sql_enqueue_reads_a_null_limit_as_the_default() {
+    let db = TestDb::new().await;
+    let call = format!(
+        "SELECT {}.enqueue('d', $1, max_payload_bytes => NULL)::text",
+        db.schema.quoted()
+    );
+    let large = vec![b'x'; 983_041];
+    let err = db
+        .client
+        .query_one(call.as_str(), &[&large])
+        .await
+        .expect_err("over the default limit");
+    let db_err = err.as_db_error().expect("a database error");
+    assert_eq!(db_err.code().code(), "22023", "{db_err}");
+    assert!(
+        db_err
+            .message()
+            .contains("983041 bytes exceeds the limit of 983040 bytes"),
+        "{db_err}"
+    );
+    let at_limit = vec![b'x'; 983_040];
+    db.client
+        .query_one(call.as_str(), &[&at_limit])
+        .await
+        .expect("at the default limit");
+    assert_eq!(db.pending().await, 1);
+    db.cleanup().await;
+}
