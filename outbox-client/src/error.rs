@@ -221,16 +221,8 @@ impl Error {
     /// consumers racing on one message id, two checkpoint runners, two
     /// send-once attempts. Run again, the inbox then answers `Duplicate`.
     pub fn is_retryable(&self) -> bool {
-        use tokio_postgres::error::SqlState;
         match self {
-            Error::Database(e) => {
-                e.is_closed()
-                    || matches!(
-                        e.code(),
-                        Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE
-                            || *c == SqlState::T_R_DEADLOCK_DETECTED
-                    )
-            }
+            Error::Database(e) => retryable(e),
             #[cfg(feature = "sqlx")]
             Error::Sqlx(e) => match e {
                 ::sqlx::Error::Database(d) => {
@@ -257,6 +249,18 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// Whether running the transaction again may get past `e`: a serialization
+/// failure, a deadlock, or a lost connection.
+pub(crate) fn retryable(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.is_closed()
+        || matches!(
+            e.code(),
+            Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE
+                || *c == SqlState::T_R_DEADLOCK_DETECTED
+        )
 }
 
 /// A database error with a variant of its own, whichever driver reported it.

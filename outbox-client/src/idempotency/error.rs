@@ -104,14 +104,7 @@ impl Error {
     /// transaction's snapshot surfaces as one), or a lost connection.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Database(e) => {
-                e.is_closed()
-                    || matches!(
-                        e.code(),
-                        Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE
-                            || *c == SqlState::T_R_DEADLOCK_DETECTED
-                    )
-            }
+            Error::Database(e) => crate::error::retryable(e),
             _ => false,
         }
     }
