@@ -60,6 +60,16 @@ pub const PARTITIONS: i16 = 64;
 pub const ADVISORY_HELD_HERE: &str = "locktype = 'advisory' AND objsubid = 2 AND granted \
      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
 
+/// The outbox schemas of this database (`oid`, name `s`, and `since`, the
+/// oid of its `replicas` table, which orders them by when they were
+/// migrated): those with the relay's tables. A CTE, for the lock-key
+/// statements.
+pub(crate) const OUTBOX_SCHEMAS: &str = "outboxes AS ( \
+     SELECT n.oid, n.nspname::text AS s, r.oid AS since FROM pg_catalog.pg_namespace n \
+     JOIN pg_catalog.pg_class r ON r.relnamespace = n.oid AND r.relname = 'replicas' \
+     WHERE EXISTS (SELECT 1 FROM pg_catalog.pg_class c \
+                   WHERE c.relnamespace = n.oid AND c.relname = 'messages'))";
+
 /// Advisory-lock namespaces of one schema, as `(key1)` of the two-key form.
 #[derive(Debug, Clone, Copy)]
 pub struct LockKeys {
@@ -70,20 +80,53 @@ pub struct LockKeys {
     /// Key held by a replica that stepped aside: `(aside, slot)`, in place
     /// of its presence, so that `status` can list it.
     pub aside: i32,
+    /// Whether the schema's usual keys collide with another outbox's of
+    /// this database, so that these are keys of its own.
+    pub apart: bool,
 }
 
 impl LockKeys {
     /// Asks Postgres for the schema's keys (non-negative, so they compare
     /// directly with `pg_locks.classid`).
+    ///
+    /// The usual keys are 31-bit hashes of the schema's name, and with
+    /// thousands of schemas in one database two outboxes' keys collide:
+    /// one's partition locks then read as the other's replicas, or both
+    /// share one set of partitions, and an outbox stalls. A schema whose
+    /// usual keys meet those of an outbox migrated before it (or each
+    /// other) takes keys hashed with its oid as well; the earlier one
+    /// keeps its own, so that relays already running never change keys
+    /// when a schema is added. Every release that knows this computes the
+    /// same; a relay older than it, on such a schema, counts a newer one as
+    /// a stranger, which costs only the spread of the work.
     pub async fn fetch(
         client: &Client,
         schema: &SchemaName,
     ) -> Result<Self, tokio_postgres::Error> {
         let row = client
             .query_one(
-                "SELECT hashtext('outbox-partitions:' || $1) & 2147483647, \
-                        hashtext('outbox-replicas:' || $1) & 2147483647, \
-                        hashtext('outbox-aside:' || $1) & 2147483647",
+                &format!(
+                    "WITH {OUTBOX_SCHEMAS}, \
+                     usual AS ( \
+                         SELECT o.s, o.since, k.kind, k.v FROM outboxes o CROSS JOIN LATERAL (VALUES \
+                             (1, hashtext('outbox-partitions:' || o.s) & 2147483647), \
+                             (2, hashtext('outbox-replicas:' || o.s) & 2147483647), \
+                             (3, hashtext('outbox-aside:' || o.s) & 2147483647)) AS k(kind, v)), \
+                     salt AS ( \
+                         SELECT CASE WHEN EXISTS ( \
+                                    SELECT 1 FROM usual a JOIN usual b \
+                                      ON a.v = b.v \
+                                     AND (b.since < a.since OR (a.s = b.s AND a.kind <> b.kind)) \
+                                    WHERE a.s = $1) \
+                                THEN ':' || (SELECT oid FROM pg_catalog.pg_namespace \
+                                             WHERE nspname = $1)::text \
+                                ELSE '' END AS x) \
+                     SELECT hashtext('outbox-partitions:' || $1 || x) & 2147483647, \
+                            hashtext('outbox-replicas:' || $1 || x) & 2147483647, \
+                            hashtext('outbox-aside:' || $1 || x) & 2147483647, \
+                            x <> '' \
+                     FROM salt"
+                ),
                 &[&schema.as_str()],
             )
             .await?;
@@ -91,6 +134,7 @@ impl LockKeys {
             partitions: row.get(0),
             presence: row.get(1),
             aside: row.get(2),
+            apart: row.get(3),
         })
     }
 }
@@ -262,6 +306,13 @@ async fn register(
     settings: &OwnershipSettings,
 ) -> Result<(LockKeys, i32), tokio_postgres::Error> {
     let keys = LockKeys::fetch(client, schema).await?;
+    if keys.apart {
+        tracing::warn!(
+            schema = %schema,
+            "this schema's usual advisory-lock keys collide with another outbox's in this database; \
+             using keys of its own (relays older than this release on this schema would not see this one)"
+        );
+    }
     let lease_ms = settings.lease.as_millis().max(100);
     client
         .batch_execute(&format!(

@@ -316,3 +316,76 @@ async fn one_replica_exports_the_database_wide_gauges_and_another_takes_over() {
     drop(relays);
     db.cleanup().await;
 }
+
+/// Two outbox schemas of one database whose exporter locks, 32-bit hashes
+/// of their names, collide (`tenant_17784` and `tenant_58492`): one relay
+/// held the lock for both, and the other outbox never exported its backlog
+/// and dead-letter gauges, with `sum(outbox_database_gauges_exporter)`
+/// still 1. The schema migrated second now takes a lock of its own.
+#[tokio::test]
+async fn outboxes_whose_exporter_locks_collide_each_export_their_gauges() {
+    outbox_tests::init_logging();
+    let admin = TestDb::new().await;
+    let db_name = outbox_tests::unique("exporters");
+    admin
+        .client
+        .batch_execute(&format!("CREATE DATABASE {db_name}"))
+        .await
+        .expect("create database");
+    let url = format!("postgres://postgres@127.0.0.1:5432/{db_name}");
+    let config: tokio_postgres::Config = url.parse().expect("url");
+    let schemas = ["tenant_17784", "tenant_58492"];
+    for schema in schemas {
+        let mut client = outbox_tests::db::connect(&config).await;
+        outbox_client::migrate(&mut client, schema)
+            .await
+            .expect("migrate");
+    }
+    let ports = [free_port(), free_port()];
+    let mut relays: Vec<_> = schemas
+        .iter()
+        .zip(ports)
+        .map(|(schema, port)| {
+            outbox_tests::process::RelayProcess::start(
+                RELAY_BIN,
+                &[
+                    ("OUTBOX_SCHEMA", (*schema).to_owned()),
+                    ("OUTBOX_DATABASE_URL", url.clone()),
+                    ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
+                ],
+            )
+        })
+        .collect();
+    let exporting = |m: &str| {
+        sample(m, "outbox_database_gauges_exporter") == Some(1.0)
+            && sample(m, "outbox_dead_letter_messages").is_some()
+    };
+    let both = eventually(Duration::from_secs(60), || async {
+        let mut all = true;
+        for port in ports {
+            all &= get(port, "/metrics")
+                .await
+                .is_some_and(|(_, m)| exporting(&m));
+        }
+        all
+    })
+    .await;
+    let mut seen = Vec::new();
+    for port in ports {
+        seen.push(
+            get(port, "/metrics")
+                .await
+                .is_some_and(|(_, m)| exporting(&m)),
+        );
+    }
+    for relay in &mut relays {
+        relay.signal("TERM").await;
+        relay.wait().await;
+    }
+    let _ = admin
+        .client
+        .batch_execute(&format!("DROP DATABASE {db_name} WITH (FORCE)"))
+        .await;
+    admin.cleanup().await;
+    assert!(both, "exporting, by schema {schemas:?}: {seen:?}");
+}

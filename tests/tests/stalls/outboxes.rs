@@ -119,3 +119,89 @@ async fn outboxes_in_other_databases_and_schemas_never_see_each_other() {
     }
     admin.cleanup().await;
 }
+
+/// Two outbox schemas of one database whose advisory-lock keys, 31-bit
+/// hashes of their names, collide: `tenant_82575`'s partition key is
+/// `tenant_143164`'s presence key. With tens of thousands of tenant schemas
+/// such pairs are likely. The relay of `tenant_143164` counted the other's
+/// 64 partition locks as 64 replicas, took a share of none, and published
+/// nothing. A schema whose keys collide with another outbox's in its
+/// database now uses keys of its own.
+#[tokio::test]
+async fn outboxes_whose_lock_keys_collide_each_own_their_partitions() {
+    outbox_tests::init_logging();
+    let admin = TestDb::new().await;
+    let db_name = outbox_tests::unique("collide");
+    admin
+        .client
+        .batch_execute(&format!("CREATE DATABASE {db_name}"))
+        .await
+        .expect("create database");
+    let url = format!("postgres://postgres@127.0.0.1:5432/{db_name}");
+    let config: tokio_postgres::Config = url.parse().expect("url");
+    let rabbit = Fixture::new().await;
+    let mut relays = Vec::new();
+    let mut expected = Vec::new();
+    for schema in ["tenant_82575", "tenant_143164"] {
+        let mut client = outbox_tests::db::connect(&config).await;
+        outbox_client::migrate(&mut client, schema)
+            .await
+            .expect("migrate");
+        let outbox = outbox_client::Outbox::new(schema).expect("schema");
+        let msgs: Vec<Message> = (0..640)
+            .map(|i| {
+                Message::builder(rabbit.exchange.as_str())
+                    .key(format!("{schema}-{i}"))
+                    .payload(b"x".to_vec())
+                    .build()
+                    .expect("valid")
+            })
+            .collect();
+        let ids = outbox.enqueue_batch(&client, &msgs).await.expect("enqueue");
+        expected.push((
+            schema,
+            ids.iter().map(|i| i.to_string()).collect::<Vec<_>>(),
+        ));
+        let db = TestDb {
+            config: config.clone(),
+            schema: outbox_client::SchemaName::new(schema).expect("schema"),
+            client,
+        };
+        relays.push(InProcessRelay::amqp(&db, fast_settings()));
+        std::mem::forget(db); // dropped with its database below
+    }
+    let delivered = |ids: &[String]| {
+        let seen: HashSet<String> = rabbit.message_ids().into_iter().collect();
+        ids.iter().filter(|id| seen.contains(*id)).count()
+    };
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            expected.iter().all(|(_, ids)| delivered(ids) == ids.len())
+        })
+        .await,
+        "delivered: {:?}",
+        expected
+            .iter()
+            .map(|(s, ids)| format!("{s} {} of {}", delivered(ids), ids.len()))
+            .collect::<Vec<_>>()
+    );
+    for (schema, _) in &expected {
+        let s = status(&url, schema).await;
+        let replicas = s["replicas"].as_array().expect("replicas");
+        assert_eq!(replicas.len(), 1, "{schema} sees other replicas: {s}");
+        assert_eq!(
+            replicas[0]["partitions"].as_array().map(Vec::len),
+            Some(64),
+            "{schema}: {s}"
+        );
+    }
+    for relay in relays {
+        relay.stop().await;
+    }
+    rabbit.cleanup().await;
+    let _ = admin
+        .client
+        .batch_execute(&format!("DROP DATABASE {db_name} WITH (FORCE)"))
+        .await;
+    admin.cleanup().await;
+}
