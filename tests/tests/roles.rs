@@ -216,6 +216,59 @@ async fn retention_as_the_relay_role_settles_each_row_once() {
         .await;
 }
 
+/// Retention's cleanup as roles.sql's relay role: rows kept past the
+/// retention are deleted. The cleanup picked its rows `FOR UPDATE SKIP
+/// LOCKED`, which Postgres allows only with UPDATE rights, and the role
+/// has none on `published`: every pass failed, quietly retried, and the
+/// table grew for good.
+#[tokio::test]
+async fn retention_cleanup_as_the_relay_role_deletes_what_expired() {
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
+    let (relay_user, config) = login_in(&db, "outbox_relay").await;
+    let relay_db = TestDb {
+        config,
+        schema: db.schema.clone(),
+        client: outbox_tests::db::connect(&db.config).await,
+    };
+    let settings = outbox_relay::Settings {
+        retention: Some(Duration::from_secs(2)),
+        ..fast_settings()
+    };
+    let relay = InProcessRelay::amqp(&relay_db, settings);
+    let msgs: Vec<Message> = outbox_tests::workload::json_over_keys(&rabbit.exchange, 50, 5);
+    db.outbox()
+        .enqueue_batch(&db.client, &msgs)
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.pending().await == 0
+        })
+        .await,
+        "the relay's role never settled the rows"
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.count("published").await == 0
+        })
+        .await,
+        "{} published rows past a 2 s retention were never deleted as the relay's role",
+        db.count("published").await
+    );
+    relay.stop().await;
+    rabbit.cleanup().await;
+    let _ = db
+        .client
+        .batch_execute(&format!(
+            "DROP SCHEMA {} CASCADE; DROP ROLE {relay_user};",
+            db.schema.quoted()
+        ))
+        .await;
+}
+
 /// The runbook's remedy for dead letters, `dead-letters retry` and
 /// `discard`, run as roles.sql's operator role: the relay's role has
 /// neither INSERT on the outbox nor DELETE on the dead letters, and no
