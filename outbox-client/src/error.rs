@@ -63,6 +63,19 @@ pub enum Error {
         /// The name as given.
         name: String,
     },
+    /// NOTIFY cannot be turned on for a schema name over 54 characters: its
+    /// channel, `<schema>.messages`, would pass Postgres' 63-byte limit,
+    /// and every insert into the outbox would fail. The relay polls.
+    #[error(
+        "cannot turn NOTIFY on for schema {schema:?}: its channel name would have {len} bytes, \
+         over Postgres' limit of 63; keep NOTIFY off (the relay polls) or use a shorter schema name"
+    )]
+    NotifyChannelTooLong {
+        /// The schema.
+        schema: String,
+        /// The channel name's length.
+        len: usize,
+    },
     /// The outbox schema, a table or a column does not exist: the migrations
     /// have not run, or not the latest ones.
     #[error("outbox schema {schema:?} is missing its tables or columns; run the migrations first")]
@@ -206,6 +219,7 @@ impl Error {
                 | Error::ContainsNul { .. }
                 | Error::KeyTooLong { .. }
                 | Error::InvalidSchemaName { .. }
+                | Error::NotifyChannelTooLong { .. }
                 | Error::EmptyKey { .. }
                 | Error::DuplicateInBatch { .. }
                 | Error::BatchTooLarge { .. }

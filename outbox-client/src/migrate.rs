@@ -359,6 +359,13 @@ impl refinery::AsyncMigrate for InOne<'_, '_> {}
 /// interval later; inserting transactions then skip NOTIFY's commit-time lock.
 pub async fn set_notify(client: &Client, schema: &str, enabled: bool) -> Result<(), Error> {
     let schema = SchemaName::new(schema)?;
+    let len = schema.notify_channel().len();
+    if enabled && len > 63 {
+        return Err(Error::NotifyChannelTooLong {
+            schema: schema.as_str().to_owned(),
+            len,
+        });
+    }
     let verb = if enabled { "ENABLE" } else { "DISABLE" };
     client
         .batch_execute(&format!(

@@ -875,3 +875,37 @@ async fn the_sql_enqueue_reads_a_null_limit_as_the_default() {
     assert_eq!(db.pending().await, 1);
     db.cleanup().await;
 }
+
+/// A schema name of 55 to 63 characters is valid, but its NOTIFY channel,
+/// `<schema>.messages`, passes Postgres' 63-byte limit: once `notify on`,
+/// every insert into the outbox failed with "channel name too long", and
+/// the app's transactions with it. Turning NOTIFY on is refused by name.
+#[tokio::test]
+async fn notify_on_for_a_schema_too_long_for_its_channel_is_refused() {
+    let admin = TestDb::new().await;
+    let mut name = outbox_tests::unique("long");
+    name.push_str(&"x".repeat(55));
+    name.truncate(55);
+    let mut client = outbox_tests::db::connect(&admin.config).await;
+    outbox_client::migrate(&mut client, &name)
+        .await
+        .expect("a 55-character schema migrates");
+    let refused = outbox_client::set_notify(&client, &name, true).await;
+    assert!(
+        matches!(refused, Err(Error::NotifyChannelTooLong { len: 64, .. })),
+        "{refused:?}"
+    );
+    let outbox = outbox_client::Outbox::new(&name).expect("schema");
+    outbox
+        .enqueue(
+            &client,
+            &Message::builder("d").payload("x").build().expect("valid"),
+        )
+        .await
+        .expect("inserts still go in");
+    client
+        .batch_execute(&format!("DROP SCHEMA \"{name}\" CASCADE"))
+        .await
+        .expect("drop");
+    admin.cleanup().await;
+}
