@@ -1,8 +1,15 @@
--- Least-privilege roles for one outbox schema. Run as the schema's owner after
--- `outbox-relay migrate`:
+-- Least-privilege roles for one outbox schema. Run after `outbox-relay
+-- migrate`, as the schema's owner with CREATEROLE (or as a superuser): the
+-- script creates the three group roles below (NOLOGIN). Then give each
+-- service a login of its own in the role it needs:
 --
 --   psql -v schema=outbox -f deploy/roles.sql
---   ALTER ROLE outbox_relay_login PASSWORD '...';   -- from your secret store
+--   CREATE ROLE outbox_relay_login LOGIN IN ROLE outbox_relay PASSWORD '...';  -- from your secret store
+--
+-- The role names are cluster-wide: run for a second outbox schema (or in a
+-- second database), the same roles get that schema's rights too. Where two
+-- outboxes must not reach each other's rows, rename the roles in a copy of
+-- this script for each.
 --
 -- outbox_app:   may only add messages to the outbox (and use the consumer-side
 --               inbox, send-once, checkpoint and idempotency tables);

@@ -132,12 +132,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             ready,
             timeout,
         } => {
+            // Unhealthy (1), not a usage error (2): Docker reserves a
+            // health check's exit code 2, and `off` is often inherited
+            // from the relay's own environment.
             let Some(addr) = http_addr.0 else {
-                return Err(crate::config::ConfigError {
-                    flag: "--http-addr",
-                    reason: "is off: the relay serves no health endpoint to ask".into(),
-                }
-                .into());
+                anyhow::bail!("--http-addr is off: the relay serves no health endpoint to ask");
             };
             let path = if ready { "/readyz" } else { "/healthz" };
             let answer = tokio::time::timeout(timeout, ask_http(addr, path))

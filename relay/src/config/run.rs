@@ -69,8 +69,9 @@ pub struct RunArgs {
     /// larger message goes alone. With pipeline + 1 batches claimed at once,
     /// the relay holds at most about (pipeline + 1) x this in payloads, plus
     /// one message over it; keep that well under the container's memory
-    /// limit (the defaults, 4 x 8 MiB, fit a 256 MiB limit with room). It also
-    /// keeps a Kafka batch inside librdkafka's local queue (64 MiB).
+    /// limit (the defaults, 4 x 8 MiB, fit a 256 MiB limit with room). On
+    /// Kafka, librdkafka's local queue is sized to twice what the batches in
+    /// flight may hold (64 MiB at least). Header bytes count with payloads.
     #[arg(long, env = "OUTBOX_BATCH_MAX_BYTES", default_value = "8MiB", value_parser = parse_bytes)]
     pub batch_max_bytes: i64,
     /// Batches at the broker (published, awaiting confirms) at once: the

@@ -385,11 +385,15 @@ pub async fn status(client: &Client, schema: &SchemaName, park: bool) -> Result<
     // A commit waits for a synchronous standby in `SyncRep` for a few
     // milliseconds at most while the standby keeps up; over a second, one
     // is missing or far behind, and every default commit waits with it.
+    // This database's sessions only: another may ask more of the standby
+    // (`synchronous_commit = remote_apply` for it alone) and wait where
+    // this one's commits do not.
     let standby = client
         .query_one(
             "SELECT count(*), max(extract(epoch FROM now() - state_change))::float8 \
              FROM pg_stat_activity \
-             WHERE wait_event = 'SyncRep' AND state_change < now() - interval '1 second'",
+             WHERE wait_event = 'SyncRep' AND state_change < now() - interval '1 second' \
+               AND datname = current_database()",
             &[],
         )
         .await?;

@@ -206,6 +206,20 @@ async fn metrics_move_and_readiness_ignores_the_broker() {
         Some(1),
         "nothing answers now: {health:?}"
     );
+    // With the endpoints off (OUTBOX_HTTP_ADDR=off, often inherited from
+    // the relay's own environment) the check says unhealthy, 1: it said 2,
+    // a usage error, which Docker reserves for health checks.
+    let health = Command::new(RELAY_BIN)
+        .args(["healthcheck"])
+        .env("OUTBOX_HTTP_ADDR", "off")
+        .output()
+        .await
+        .expect("healthcheck");
+    assert_eq!(health.status.code(), Some(1), "{health:?}");
+    assert!(
+        String::from_utf8_lossy(&health.stderr).contains("--http-addr is off"),
+        "{health:?}"
+    );
 
     // Two outages, each logged once when it began and once when it ended,
     // however many workers and probes hit it: no flood of retries.
