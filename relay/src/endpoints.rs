@@ -109,21 +109,7 @@ async fn collect_until(
     every: Duration,
     shutdown: CancellationToken,
 ) {
-    // The exporter's lock: a 32-bit hash of the schema's name, as in every
-    // release; a schema migrated after another outbox whose hash it shares
-    // takes one hashed with its oid as well, or one of the two would never
-    // export its gauges (see `LockKeys::fetch`). Read once per session.
-    let key_sql = format!(
-        "WITH {}, mine AS (SELECT since FROM outboxes WHERE s = $1) \
-         SELECT CASE WHEN EXISTS ( \
-                    SELECT 1 FROM outboxes o, mine \
-                    WHERE o.since < mine.since \
-                      AND hashtext('outbox-metrics:' || o.s) = hashtext('outbox-metrics:' || $1)) \
-                THEN hashtextextended('outbox-metrics:' || $1 || ':' || \
-                         (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1)::text, 0) \
-                ELSE hashtext('outbox-metrics:' || $1)::int8 END",
-        crate::source::ownership::OUTBOX_SCHEMAS
-    );
+    // The exporter's lock key, read once per session.
     let lock_sql = "SELECT pg_try_advisory_lock($1)";
     let mut key: Option<i64> = None;
     let mut client: Option<crate::source::Session> = None;
@@ -167,10 +153,10 @@ async fn collect_until(
         if let Some(c) = &client {
             if key.is_none() {
                 let read = c
-                    .answered(bound, c.query_one(key_sql.as_str(), &[&schema.as_str()]))
+                    .answered(bound, crate::source::ownership::exporter_key(c, &schema))
                     .await;
                 unanswered = is_unanswered(&read);
-                key = read.ok().map(|r| r.get::<_, i64>(0));
+                key = read.ok();
             }
             if let (false, Some(k)) = (holding, key) {
                 let locked = c.answered(bound, c.query_one(lock_sql, &[&k])).await;

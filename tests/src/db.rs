@@ -15,6 +15,30 @@ pub struct TestDb {
     pub client: Client,
 }
 
+/// A database of its own on the test cluster, made through `admin`, for
+/// what several outboxes on one cluster share: its name and connection
+/// settings. [`drop_database`] removes it.
+pub async fn create_database(admin: &TestDb, prefix: &str) -> (String, Config) {
+    let name = crate::unique(prefix);
+    admin
+        .client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create database");
+    let config = format!("postgres://postgres@127.0.0.1:5432/{name}")
+        .parse()
+        .expect("url");
+    (name, config)
+}
+
+/// Drops a database [`create_database`] made, with whatever still uses it.
+pub async fn drop_database(admin: &TestDb, name: &str) {
+    let _ = admin
+        .client
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
+}
+
 /// Connects and drives the connection in the background.
 pub async fn connect(config: &Config) -> Client {
     let (client, connection) = config.connect(NoTls).await.expect("connect to postgres");

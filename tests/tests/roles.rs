@@ -21,6 +21,19 @@ async fn login_in(db: &TestDb, group: &str) -> (String, tokio_postgres::Config) 
     (role, config)
 }
 
+/// roles.sql applied to `db`'s schema, and a login of the relay's role:
+/// its name, and `db` as that login sees it.
+async fn as_relay_role(db: &TestDb) -> (String, TestDb) {
+    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
+    let (relay_user, config) = login_in(db, "outbox_relay").await;
+    let relay_db = TestDb {
+        config,
+        schema: db.schema.clone(),
+        client: outbox_tests::db::connect(&db.config).await,
+    };
+    (relay_user, relay_db)
+}
+
 #[tokio::test]
 async fn relay_runs_as_its_role_and_the_app_role_can_only_insert() {
     outbox_tests::init_logging();
@@ -146,13 +159,7 @@ async fn retention_as_the_relay_role_settles_each_row_once() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
-    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
-    let (relay_user, config) = login_in(&db, "outbox_relay").await;
-    let relay_db = TestDb {
-        config,
-        schema: db.schema.clone(),
-        client: outbox_tests::db::connect(&db.config).await,
-    };
+    let (relay_user, relay_db) = as_relay_role(&db).await;
     let settings = outbox_relay::Settings {
         retention: Some(Duration::from_secs(3600)),
         ..fast_settings()
@@ -226,13 +233,7 @@ async fn retention_cleanup_as_the_relay_role_deletes_what_expired() {
     outbox_tests::init_logging();
     let db = TestDb::new().await;
     let rabbit = Fixture::new().await;
-    outbox_tests::db::apply_roles_sql(&outbox_tests::pg_url(), &db.schema).await;
-    let (relay_user, config) = login_in(&db, "outbox_relay").await;
-    let relay_db = TestDb {
-        config,
-        schema: db.schema.clone(),
-        client: outbox_tests::db::connect(&db.config).await,
-    };
+    let (relay_user, relay_db) = as_relay_role(&db).await;
     let settings = outbox_relay::Settings {
         retention: Some(Duration::from_secs(2)),
         ..fast_settings()

@@ -146,14 +146,9 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 })??;
             println!("{path}: {answer}");
         }
-        Command::Status {
-            db,
-            json,
-            dead_letter_order,
-        } => {
+        Command::Status { db, json, order } => {
             let client = connect(&db).await?;
-            let park = dead_letter_order == crate::config::DeadLetterOrder::Park;
-            let v = ops::status(&client, &db.schema, park).await?;
+            let v = ops::status(&client, &db.schema, order.dead_letter_order.parks()).await?;
             print_out(&v, json, render::status_text);
             // A health check in a script: exit 1, after the report, when no
             // relay is running on this schema (nothing will publish).
@@ -165,10 +160,10 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             db,
             id,
             json,
-            dead_letter_order,
+            order,
         } => {
             let mut client = connect(&db).await?;
-            let park = dead_letter_order == crate::config::DeadLetterOrder::Park;
+            let park = order.dead_letter_order.parks();
             let v = ops::locate(&mut client, &db.schema, id, park).await?;
             print_out(&v, json, render::locate_text);
             // Scripts can tell "not here" from a message somewhere by the

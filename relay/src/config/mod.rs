@@ -77,10 +77,9 @@ pub enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
-        /// How the relay treats a dead letter's later messages, as given
-        /// to `run`: under `skip` they go ahead, and no key is parked.
-        #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
-        dead_letter_order: DeadLetterOrder,
+        /// How the relay treats a dead letter's later messages.
+        #[command(flatten)]
+        order: OrderArgs,
     },
     /// Inspect, retry or discard dead-lettered messages.
     DeadLetters {
@@ -101,10 +100,9 @@ pub enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
-        /// How the relay treats a dead letter's later messages, as given
-        /// to `run`: under `skip` they go ahead, and no key is parked.
-        #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
-        dead_letter_order: DeadLetterOrder,
+        /// How the relay treats a dead letter's later messages.
+        #[command(flatten)]
+        order: OrderArgs,
     },
     /// Hold back one destination for every replica: its rows wait in the
     /// outbox (not claimed, no attempts counted) until `resume`. A key with a
@@ -151,6 +149,16 @@ pub enum Command {
         #[arg(value_enum)]
         state: Switch,
     },
+}
+
+/// `--dead-letter-order` as `run` was given it, for the commands that report
+/// parked keys.
+#[derive(Debug, Clone, Args)]
+pub struct OrderArgs {
+    /// As given to `run`: under `skip` a dead letter's later messages go
+    /// ahead, and no key is parked.
+    #[arg(long, env = "OUTBOX_DEAD_LETTER_ORDER", value_enum, default_value_t = DeadLetterOrder::Park)]
+    pub dead_letter_order: DeadLetterOrder,
 }
 
 /// Which dead letters a `dead-letters` command acts on.

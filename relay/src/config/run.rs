@@ -183,6 +183,13 @@ pub enum DeadLetterOrder {
     Skip,
 }
 
+impl DeadLetterOrder {
+    /// Whether a dead letter holds its key's later messages back.
+    pub fn parks(self) -> bool {
+        self == DeadLetterOrder::Park
+    }
+}
+
 /// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -365,7 +372,7 @@ impl RunArgs {
                 shutdown_grace: self.shutdown_grace,
                 hold_limit: self.hold_limit,
                 max_attempts: self.max_attempts,
-                park_on_dead_letter: self.dead_letter_order == DeadLetterOrder::Park,
+                park_on_dead_letter: self.dead_letter_order.parks(),
                 lease: self.lease,
                 retention: (!self.retention.is_zero()).then_some(self.retention),
                 retention_cleanup_batch: self.retention_cleanup_batch,

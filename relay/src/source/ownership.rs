@@ -64,7 +64,7 @@ pub const ADVISORY_HELD_HERE: &str = "locktype = 'advisory' AND objsubid = 2 AND
 /// oid of its `replicas` table, which orders them by when they were
 /// migrated): those with the relay's tables. A CTE, for the lock-key
 /// statements.
-pub(crate) const OUTBOX_SCHEMAS: &str = "outboxes AS ( \
+const OUTBOX_SCHEMAS: &str = "outboxes AS ( \
      SELECT n.oid, n.nspname::text AS s, r.oid AS since FROM pg_catalog.pg_namespace n \
      JOIN pg_catalog.pg_class r ON r.relnamespace = n.oid AND r.relname = 'replicas' \
      WHERE EXISTS (SELECT 1 FROM pg_catalog.pg_class c \
@@ -137,6 +137,33 @@ impl LockKeys {
             apart: row.get(3),
         })
     }
+}
+
+/// The key of the lock whose holder exports the database-wide gauges
+/// (`endpoints::collect`): a 32-bit hash of the schema's name, as in every
+/// release, unless it meets that of an outbox migrated before it, as
+/// [`LockKeys::fetch`] decides for its keys; one of the two would never
+/// export its gauges.
+pub async fn exporter_key(
+    client: &Client,
+    schema: &SchemaName,
+) -> Result<i64, tokio_postgres::Error> {
+    Ok(client
+        .query_one(
+            &format!(
+                "WITH {OUTBOX_SCHEMAS}, mine AS (SELECT since FROM outboxes WHERE s = $1) \
+                 SELECT CASE WHEN EXISTS ( \
+                            SELECT 1 FROM outboxes o, mine \
+                            WHERE o.since < mine.since \
+                              AND hashtext('outbox-metrics:' || o.s) = hashtext('outbox-metrics:' || $1)) \
+                        THEN hashtextextended('outbox-metrics:' || $1 || ':' || \
+                                 (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1)::text, 0) \
+                        ELSE hashtext('outbox-metrics:' || $1)::int8 END"
+            ),
+            &[&schema.as_str()],
+        )
+        .await?
+        .get(0))
 }
 
 /// The set of partitions this replica may claim from, as the workers see it.

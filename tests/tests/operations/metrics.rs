@@ -340,14 +340,8 @@ async fn one_replica_exports_the_database_wide_gauges_and_another_takes_over() {
 async fn outboxes_whose_exporter_locks_collide_each_export_their_gauges() {
     outbox_tests::init_logging();
     let admin = TestDb::new().await;
-    let db_name = outbox_tests::unique("exporters");
-    admin
-        .client
-        .batch_execute(&format!("CREATE DATABASE {db_name}"))
-        .await
-        .expect("create database");
+    let (db_name, config) = outbox_tests::db::create_database(&admin, "exporters").await;
     let url = format!("postgres://postgres@127.0.0.1:5432/{db_name}");
-    let config: tokio_postgres::Config = url.parse().expect("url");
     let schemas = ["tenant_17784", "tenant_58492"];
     for schema in schemas {
         let mut client = outbox_tests::db::connect(&config).await;
@@ -396,10 +390,7 @@ async fn outboxes_whose_exporter_locks_collide_each_export_their_gauges() {
         relay.signal("TERM").await;
         relay.wait().await;
     }
-    let _ = admin
-        .client
-        .batch_execute(&format!("DROP DATABASE {db_name} WITH (FORCE)"))
-        .await;
+    outbox_tests::db::drop_database(&admin, &db_name).await;
     admin.cleanup().await;
     assert!(both, "exporting, by schema {schemas:?}: {seen:?}");
 }

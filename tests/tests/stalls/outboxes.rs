@@ -131,14 +131,8 @@ async fn outboxes_in_other_databases_and_schemas_never_see_each_other() {
 async fn outboxes_whose_lock_keys_collide_each_own_their_partitions() {
     outbox_tests::init_logging();
     let admin = TestDb::new().await;
-    let db_name = outbox_tests::unique("collide");
-    admin
-        .client
-        .batch_execute(&format!("CREATE DATABASE {db_name}"))
-        .await
-        .expect("create database");
+    let (db_name, config) = outbox_tests::db::create_database(&admin, "collide").await;
     let url = format!("postgres://postgres@127.0.0.1:5432/{db_name}");
-    let config: tokio_postgres::Config = url.parse().expect("url");
     let rabbit = Fixture::new().await;
     let mut relays = Vec::new();
     let mut expected = Vec::new();
@@ -199,9 +193,6 @@ async fn outboxes_whose_lock_keys_collide_each_own_their_partitions() {
         relay.stop().await;
     }
     rabbit.cleanup().await;
-    let _ = admin
-        .client
-        .batch_execute(&format!("DROP DATABASE {db_name} WITH (FORCE)"))
-        .await;
+    outbox_tests::db::drop_database(&admin, &db_name).await;
     admin.cleanup().await;
 }
