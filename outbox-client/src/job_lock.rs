@@ -15,6 +15,8 @@
 //! let config: tokio_postgres::Config = "postgres://app@db/app".parse()?;
 //! match run_exclusive(&config, "weekly-report", |_lease| send_weekly_reports()).await? {
 //!     Exclusive::Ran(result) => result?,
+//!     // The lock's session ended mid-job: another instance may have run it too.
+//!     Exclusive::LostLock(result) => result?,
 //!     Exclusive::Busy => {} // another instance is running it right now
 //! }
 //! # Ok(()) }
@@ -48,7 +50,9 @@
 //!
 //! If the lock's connection breaks while the job runs, the server has released
 //! the lock and another instance may start. A job that must not overlap even then
-//! checks [`Lease::is_held`] between steps.
+//! checks [`Lease::is_held`] between steps. The job's output still comes back,
+//! as [`Exclusive::LostLock`]: the job did its work, and the caller decides what
+//! a run that was not exclusive throughout means.
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -83,10 +87,6 @@ pub enum JobLockError {
          a session-mode pool"
     )]
     NoSession,
-    /// The job ran, but the lock could not be released explicitly; closing the
-    /// connection released it.
-    #[error("could not release the job lock")]
-    Unlock(#[source] tokio_postgres::Error),
 }
 
 /// The result of [`run_exclusive`].
@@ -95,6 +95,11 @@ pub enum JobLockError {
 pub enum Exclusive<T> {
     /// This instance held the lock and ran the job; the job's output.
     Ran(T),
+    /// This instance took the lock and ran the job, but the lock's session
+    /// ended before the job did (a failover, `pg_terminate_backend`, a
+    /// network cut): the server released the lock then, and another
+    /// instance may have run the job at the same time. The job's output.
+    LostLock(T),
     /// Another session holds the lock: the job was not run.
     Busy,
 }
@@ -186,9 +191,13 @@ where
     let _ = driver.await;
     match result {
         Ok(Locked::Busy) => Ok(Exclusive::Busy),
-        Ok(Locked::Ran(Ok(out), unlock)) => {
-            unlock.map_err(JobLockError::Unlock)?;
-            Ok(Exclusive::Ran(out))
+        Ok(Locked::Ran(Ok(out), Ok(()))) => Ok(Exclusive::Ran(out)),
+        // The unlock failed only because the session had ended (closing it
+        // released the lock, whatever the cause): the job's work is done,
+        // and its output is the caller's.
+        Ok(Locked::Ran(Ok(out), Err(e))) => {
+            tracing::warn!(job = name, error = %e, "the job lock's session ended while the job ran");
+            Ok(Exclusive::LostLock(out))
         }
         Ok(Locked::Ran(Err(panic), _)) => std::panic::resume_unwind(panic),
         Err(e) => Err(JobLockError::Lock(e)),

@@ -180,7 +180,7 @@ async fn cron_job_that_panics_releases_the_lock() {
 /// database or role, as some teams do against leaked connections): the
 /// lock's session sends nothing while the job runs, so the server ended it
 /// mid-job, the lock went with it, and a second instance ran the job at the
-/// same time; the first then got `Unlock` and lost its output. The lock's
+/// same time; the first then got an unlock error and lost its output. The lock's
 /// session now turns the timeout off for itself.
 #[tokio::test]
 async fn a_server_ending_idle_sessions_does_not_free_a_running_jobs_lock() {
@@ -214,6 +214,61 @@ async fn a_server_ending_idle_sessions_does_not_free_a_running_jobs_lock() {
         matches!(first, Ok(Exclusive::Ran("first"))),
         "the first run lost its output: {first:?}"
     );
+    db.cleanup().await;
+}
+
+/// The lock's session ended while the job ran (a failover, an operator's
+/// `pg_terminate_backend`, a pooler restart): the job still finished, and its
+/// output is the caller's to act on. It was dropped for `JobLockError::Unlock`,
+/// so a report that was built and sent read as a failure; the caller now gets
+/// the output, marked as run without the lock for part of its life.
+#[tokio::test]
+async fn a_job_whose_lock_session_ended_mid_run_still_returns_its_output() {
+    let db = TestDb::new().await;
+    let job = unique("terminated");
+    let (running_tx, running_rx) = tokio::sync::oneshot::channel::<()>();
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<()>();
+    let (config, name) = (db.config.clone(), job.clone());
+    let run = tokio::spawn(async move {
+        run_exclusive(&config, &name, |lease| async move {
+            assert!(lease.is_held());
+            let _ = running_tx.send(());
+            let _ = lost_rx.await;
+            // The job notices between steps, as the module advises.
+            assert!(
+                eventually(PATIENCE, || {
+                    let held = lease.is_held();
+                    async move { !held }
+                })
+                .await,
+                "the lease still reads held after its session ended"
+            );
+            "report sent"
+        })
+        .await
+    });
+    running_rx.await.expect("the job started");
+    let ended: i64 = db
+        .client
+        .query_one(
+            "SELECT count(pg_terminate_backend(l.pid)) \
+             FROM pg_locks l, (SELECT hashtextextended($1, 0) AS k) h \
+             WHERE l.locktype = 'advisory' AND l.granted \
+               AND l.classid::bigint = ((h.k >> 32) & 4294967295) \
+               AND l.objid::bigint = (h.k & 4294967295)",
+            &[&job],
+        )
+        .await
+        .expect("terminate the lock's session")
+        .get(0);
+    assert_eq!(ended, 1, "one session held the job's lock");
+    let _ = lost_tx.send(());
+    let outcome = run.await.expect("no panic");
+    assert!(
+        matches!(outcome, Ok(Exclusive::LostLock("report sent"))),
+        "the job's output was not returned: {outcome:?}"
+    );
+    assert_eq!(advisory_locks_held(&db, &job).await, 0, "lock released");
     db.cleanup().await;
 }
 

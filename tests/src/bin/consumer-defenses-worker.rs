@@ -66,7 +66,7 @@ async fn cron(config: &Config, schema: &SchemaName, job: &str) -> anyhow::Result
     })
     .await?;
     match outcome {
-        Exclusive::Ran(result) => {
+        Exclusive::Ran(result) | Exclusive::LostLock(result) => {
             result?;
             println!("ran");
             Ok(())
