@@ -288,7 +288,14 @@ pub struct DbArgs {
     )]
     pub database_url: SecretUrl,
     /// Read the Postgres URL from this file instead (e.g. a mounted secret).
-    #[arg(long, env = "OUTBOX_DATABASE_URL_FILE", global = true)]
+    /// Refused beside --database-url (or OUTBOX_DATABASE_URL): the two would
+    /// name two databases, and one would win without a word.
+    #[arg(
+        long,
+        env = "OUTBOX_DATABASE_URL_FILE",
+        global = true,
+        conflicts_with = "database_url"
+    )]
     pub database_url_file: Option<PathBuf>,
     /// Schema holding the outbox tables; lets several outboxes share a database.
     #[arg(long, env = "OUTBOX_SCHEMA", default_value = SchemaName::DEFAULT, value_parser = parse_schema, global = true)]
@@ -346,8 +353,9 @@ pub struct AmqpArgs {
         value_parser = SecretUrlParser(parse_amqp_url)
     )]
     pub amqp_url: SecretUrl,
-    /// Read the AMQP URL from this file instead.
-    #[arg(long, env = "OUTBOX_AMQP_URL_FILE")]
+    /// Read the AMQP URL from this file instead. Refused beside --amqp-url
+    /// (or OUTBOX_AMQP_URL).
+    #[arg(long, env = "OUTBOX_AMQP_URL_FILE", conflicts_with = "amqp_url")]
     pub amqp_url_file: Option<PathBuf>,
 }
 

@@ -411,3 +411,82 @@ async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_befo
     );
     db.cleanup().await;
 }
+
+/// The deploy files give the URLs as files (`OUTBOX_DATABASE_URL_FILE`),
+/// and an operator who runs a command in the relay's container with
+/// `--database-url` pointed elsewhere (staging, a replica) means that
+/// database. The file won without a word, so `dead-letters discard` acted
+/// on the one the file names. A URL given twice, by value and by file, is
+/// now refused with both named, as the official images refuse `X` beside
+/// `X_FILE`; for AMQP too.
+#[tokio::test]
+async fn a_url_given_both_by_value_and_by_file_is_refused() {
+    let db = TestDb::new().await;
+    let dir = std::env::temp_dir().join(outbox_tests::unique("secrets"));
+    std::fs::create_dir_all(&dir).expect("secrets dir");
+    let file = dir.join("database_url");
+    std::fs::write(&file, outbox_tests::pg_url()).expect("write the secret");
+    let elsewhere = "postgres://postgres@127.0.0.1:5432/test";
+    let out = Command::new(RELAY_BIN)
+        .args(["dead-letters", "list", "--database-url", elsewhere])
+        .env_remove("OUTBOX_DATABASE_URL")
+        .env("OUTBOX_DATABASE_URL_FILE", &file)
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .output()
+        .await
+        .expect("run dead-letters list");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a --database-url beside OUTBOX_DATABASE_URL_FILE was not refused: {err}"
+    );
+    assert!(
+        err.contains("--database-url") && err.contains("--database-url-file"),
+        "the refusal does not name both: {err}"
+    );
+    // Both from the environment.
+    let out = Command::new(RELAY_BIN)
+        .args(["dead-letters", "list"])
+        .env("OUTBOX_DATABASE_URL", elsewhere)
+        .env("OUTBOX_DATABASE_URL_FILE", &file)
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .output()
+        .await
+        .expect("run dead-letters list");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let amqp_file = dir.join("amqp_url");
+    std::fs::write(&amqp_file, outbox_tests::amqp_url()).expect("write the secret");
+    let out = Command::new(RELAY_BIN)
+        .args(["run", "--amqp-url", "amqp://guest:guest@127.0.0.1:5672/%2f"])
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env("OUTBOX_AMQP_URL_FILE", &amqp_file)
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_HTTP_ADDR", "off")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(PATIENCE, out)
+        .await
+        .expect("the relay ran instead of refusing")
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--amqp-url-file"), "{err}");
+    // The file alone still works.
+    let out = Command::new(RELAY_BIN)
+        .args(["dead-letters", "list"])
+        .env_remove("OUTBOX_DATABASE_URL")
+        .env("OUTBOX_DATABASE_URL_FILE", &file)
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .output()
+        .await
+        .expect("run dead-letters list");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    db.cleanup().await;
+}
