@@ -36,6 +36,10 @@ pub mod timefmt;
 
 use tokio_util::sync::CancellationToken;
 
+/// How long open HTTP connections may hold up the exit once the relay has
+/// stopped.
+const HTTP_CLOSE: std::time::Duration = std::time::Duration::from_secs(2);
+
 pub use engine::{Relay, Settings};
 pub use health::Stats;
 
@@ -162,8 +166,16 @@ async fn serve_relay<P: publish::Publisher>(
         let result = relay.run(shutdown).await;
         // The endpoints outlive the relay loop so probes see the drain.
         stop.cancel();
-        for h in helpers {
-            let _ = h.await;
+        // Their graceful shutdown closes idle connections and waits for
+        // the rest without a timer: a request half sent (a stalled
+        // scraper, a peer gone without a FIN) kept the relay from exiting
+        // after its drain, and from exiting 1 after a failed task. They get
+        // a moment, then go with the process.
+        let helpers = futures::future::join_all(helpers);
+        if tokio::time::timeout(HTTP_CLOSE, helpers).await.is_err() {
+            tracing::warn!(
+                "HTTP connections still open {HTTP_CLOSE:?} after shutdown; closing them"
+            );
         }
         return result;
     }

@@ -619,3 +619,63 @@ async fn sigterm_while_postgres_is_stranded_stops_within_the_grace() {
     rabbit.cleanup().await;
     db.cleanup().await;
 }
+
+/// SIGTERM while an HTTP client holds a request half sent: a scraper or
+/// probe that stalled, a port scanner, a peer gone without a FIN. The
+/// endpoints' graceful shutdown closes idle connections and waits for the
+/// others, without a timer, and the relay waited for the endpoints: it
+/// drained, then never exited, until the orchestrator's SIGKILL (and with
+/// a task that had failed, it never exited 1 to be restarted). The relay
+/// now gives open HTTP connections a short while, then exits anyway.
+#[tokio::test]
+async fn sigterm_with_an_http_request_half_sent_still_exits() {
+    use outbox_tests::process::RelayProcess;
+    use tokio::io::AsyncWriteExt;
+    const RELAY_BIN: &str = env!("CARGO_BIN_EXE_outbox-relay-under-test");
+    outbox_tests::init_logging();
+    let db = TestDb::new().await;
+    let rabbit = Fixture::new().await;
+    let port = outbox_tests::free_port();
+    let mut relay = RelayProcess::start(
+        RELAY_BIN,
+        &[
+            ("OUTBOX_SCHEMA", db.schema.to_string()),
+            ("OUTBOX_HTTP_ADDR", format!("127.0.0.1:{port}")),
+            ("OUTBOX_SHUTDOWN_GRACE", "5s".to_string()),
+        ],
+    );
+    let message = outbox_client::Message::builder(rabbit.exchange.as_str())
+        .json(&0)
+        .build()
+        .expect("valid");
+    db.outbox()
+        .enqueue(&db.client, &message)
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            rabbit.count() >= 1 && db.pending().await == 0
+        })
+        .await,
+        "the relay never published"
+    );
+    let mut stalled = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the endpoints");
+    stalled
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: relay\r\n")
+        .await
+        .expect("half a request");
+    // The server has read the partial head.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    relay.signal("TERM").await;
+    let stopped = tokio::time::timeout(Duration::from_secs(30), relay.wait()).await;
+    drop(stalled);
+    assert_eq!(
+        stopped,
+        Ok(Some(0)),
+        "with a request half sent, SIGTERM did not stop the relay within 30 s (grace 5 s)"
+    );
+    rabbit.cleanup().await;
+    db.cleanup().await;
+}
