@@ -508,6 +508,36 @@ pub async fn rabbitmqctl(args: &[&str]) {
     );
 }
 
+/// How many of the broker's connections from `ports` (this process's own,
+/// see [`crate::process::own_tcp_ports`]) it has blocked: connections that
+/// published during a resource alarm.
+pub async fn blocked_connections_from(ports: &[i32]) -> usize {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "--quiet",
+            "--no-table-headers",
+            "peer_port",
+            "state",
+        ])
+        .output()
+        .await
+        .expect("run rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl list_connections: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            Some((f.next()?.parse::<i32>().ok()?, f.next()?.to_owned()))
+        })
+        .filter(|(port, state)| state == "blocked" && ports.contains(port))
+        .count()
+}
+
 /// A memory alarm on the broker (`vm_memory_high_watermark` 0), cleared by
 /// [`MemoryAlarm::clear`], or on drop if a failed assertion got there first,
 /// so that one failing test does not leave every later one blocked.

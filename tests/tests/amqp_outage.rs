@@ -297,11 +297,38 @@ async fn memory_alarm_mid_run_abandons_batches_in_time_and_loses_nothing() {
     // has found the connection blocked, the broker stays reported down,
     // since that moment, for as long as the alarm lasts: an operator's
     // "down for more than N minutes" must be able to fire.
+    // Every TCP port this process (the relay, the sink) uses during the
+    // alarm, including those of connections it has since let go.
+    let ports = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let watch = tokio::spawn({
+        let ports = std::sync::Arc::clone(&ports);
+        async move {
+            loop {
+                ports
+                    .lock()
+                    .expect("ports")
+                    .extend(outbox_tests::process::own_tcp_ports());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
     relay
         .assert_broker_stays_down(Duration::from_secs(15))
         .await;
     let during = sessions().await;
+    watch.abort();
+    // The relay's connections the broker blocked: one. A connection given
+    // up at each cut could not even send its close (lapin writes nothing
+    // on a blocked connection), and the broker, which stops reading from
+    // it, kept it with the batches queued in it, while a new connection
+    // took the next batches until it too was blocked.
+    let ports: Vec<i32> = ports.lock().expect("ports").iter().copied().collect();
+    let blocked = outbox_tests::amqp::blocked_connections_from(&ports).await;
     alarm.clear().await;
+    assert!(
+        blocked <= 1,
+        "{blocked} blocked connections: each cut batch left one behind, to deliver its batches again once the alarm cleared"
+    );
     assert_eq!(
         before, during,
         "a relay session was ended by the server: a batch was held past the hold limit"

@@ -601,7 +601,7 @@ impl Publisher for AmqpPublisher {
             // the close with a bare "channel closed"; its reason (a size limit,
             // say) reached only the confirms already handed over, read above.
             self.learn_size_limit(&e);
-            if cut.is_some() {
+            if cut.is_some() && !connection.status().blocked() {
                 self.broker.drop_link(&connection, "confirm timeout").await;
             }
             return Err(PublishError::new("publish failed", e));
@@ -635,9 +635,17 @@ impl Publisher for AmqpPublisher {
                 // connection: dropping it bounds the copies to what already
                 // left. On a connection the broker blocked (a resource
                 // alarm) the batch fails whole, as in any outage: the
-                // broker is down, not slow.
+                // broker is down, not slow. That connection is kept: lapin
+                // writes nothing on it, not even a close, so a dropped one
+                // stayed open with its frames queued, and a new one took
+                // the next batches until it too was blocked; when the alarm
+                // cleared, each delivered its batches. Kept, it refuses
+                // every later batch before sending (see `Handed`), and only
+                // its own frames go once the alarm clears.
                 let blocked = connection.status().blocked();
-                self.broker.drop_link(&connection, "confirm timeout").await;
+                if !blocked {
+                    self.broker.drop_link(&connection, "confirm timeout").await;
+                }
                 if confirmed == 0 || blocked {
                     return Err(PublishError::msg(reason));
                 }
