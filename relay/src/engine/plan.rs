@@ -52,6 +52,13 @@ pub(super) fn plan_waves<P: Publisher>(publisher: &P, batch: &[Envelope]) -> Vec
 /// Publishes `batch` wave by wave (usually one wave): a wave goes out only after
 /// the previous one is answered, and a key refused in one wave sends nothing in
 /// later ones. `None` marks a message held back unsent.
+///
+/// Only the first wave's failure fails the batch. What earlier waves had
+/// confirmed stands when a later one fails (its messages are unanswered,
+/// the rest unsent), and no wave starts once `deadline` has passed: a key
+/// that changes lanes at every message, on a broker slow to confirm, sent
+/// waves until one was cut at the deadline, and the batch failed whole,
+/// its confirmed waves sent again at every claim, the key never drained.
 pub(super) async fn publish_in_waves<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
@@ -82,8 +89,22 @@ pub(super) async fn publish_in_waves<P: Publisher>(
         if members.is_empty() {
             continue;
         }
+        if wave > 0 && tokio::time::Instant::now() >= deadline {
+            break;
+        }
         let sub: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
-        let answers = publisher.publish_until(&sub, deadline).await?;
+        let answers = match publisher.publish_until(&sub, deadline).await {
+            Ok(answers) => answers,
+            Err(e) if wave == 0 => return Err(e),
+            Err(e) if e.is_unsent() => break,
+            Err(e) => {
+                let reason = e.to_string();
+                for &i in &members {
+                    outcomes[i] = Some(Err(crate::publish::Rejection::unanswered(reason.clone())));
+                }
+                break;
+            }
+        };
         for (&i, answer) in members.iter().zip(answers) {
             if answer.is_err() {
                 if let Some(k) = batch[i].ordering_key.as_deref() {
@@ -188,6 +209,110 @@ mod tests {
             routed(7, "a", "x"),
         ];
         assert_eq!(plan_waves(&p, &batch), vec![0, 0, 0, 1, 0, 1, 2]);
+    }
+
+    /// A broker that takes `each` to answer a wave, and fails every wave
+    /// from the `fail_from`th on (a connection lost, a channel closed).
+    struct Waves {
+        each: std::time::Duration,
+        fail_from: usize,
+        calls: std::sync::Mutex<usize>,
+    }
+
+    impl Waves {
+        fn new(each_ms: u64, fail_from: usize) -> Self {
+            Waves {
+                each: std::time::Duration::from_millis(each_ms),
+                fail_from,
+                calls: std::sync::Mutex::new(0),
+            }
+        }
+
+        fn calls(&self) -> usize {
+            *self.calls.lock().expect("calls")
+        }
+    }
+
+    impl Publisher for Waves {
+        async fn publish(
+            &self,
+            batch: &[Envelope],
+        ) -> Result<Vec<Verdict>, crate::publish::PublishError> {
+            let call = {
+                let mut calls = self.calls.lock().expect("calls");
+                *calls += 1;
+                *calls - 1
+            };
+            tokio::time::sleep(self.each).await;
+            if call >= self.fail_from {
+                return Err(crate::publish::PublishError::msg("connection lost"));
+            }
+            Ok(batch.iter().map(|_| Ok(Receipt::Memory)).collect())
+        }
+
+        async fn ready(&self) -> Result<(), crate::publish::PublishError> {
+            Ok(())
+        }
+
+        async fn close(&self) {}
+    }
+
+    /// Key `k` changes lanes at every message (routing keys taking turns,
+    /// `order.created` then `order.paid`), `o` stays in the first wave.
+    fn turns(n: i64) -> Vec<Envelope> {
+        let mut batch: Vec<Envelope> = (1..=n)
+            .map(|i| routed(i, "k", if i % 2 == 0 { "b" } else { "a" }))
+            .collect();
+        batch.push(routed(n + 1, "o", "a"));
+        batch
+    }
+
+    /// A later wave that fails (the connection lost while it was out) took
+    /// the whole batch with it: the first wave's confirms, every other key
+    /// of the batch, were thrown away and sent again, and on a broker
+    /// slow enough for the waves to outlast the batch's time, at every
+    /// claim, for good. What was confirmed stands; the failed wave's rows
+    /// are unanswered (sent again, no attempt counted), later ones unsent.
+    #[tokio::test(start_paused = true)]
+    async fn a_later_wave_failing_keeps_the_earlier_waves_confirms() {
+        let p = Waves::new(100, 1);
+        let batch = turns(3);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        let outcomes = publish_in_waves(&p, &batch, deadline)
+            .await
+            .expect("the first wave's confirms stand");
+        assert!(matches!(outcomes[0], Some(Ok(_))), "{outcomes:?}");
+        assert!(matches!(outcomes[3], Some(Ok(_))), "{outcomes:?}");
+        assert!(
+            matches!(&outcomes[1], Some(Err(r)) if r.unanswered),
+            "{outcomes:?}"
+        );
+        assert!(outcomes[2].is_none(), "{outcomes:?}");
+        let plan = settle_plan(&batch, &outcomes, &Settings::default());
+        assert_eq!(seqs(&plan.published), vec![1, 4]);
+        assert_eq!(plan.unanswered.len(), 1);
+        assert_eq!(plan.held, 1);
+        // A first wave that fails is the batch's failure, as before.
+        let p = Waves::new(100, 0);
+        assert!(publish_in_waves(&p, &batch, deadline).await.is_err());
+    }
+
+    /// No wave starts once the batch's time is up: waves sent after it were
+    /// cut at once, unanswered, and with them went the confirms of the
+    /// waves before (above). The rows of the waves not sent wait, unsent,
+    /// for the next claim, which takes up where this batch stopped.
+    #[tokio::test(start_paused = true)]
+    async fn no_wave_starts_once_the_batch_is_out_of_time() {
+        let p = Waves::new(1_000, usize::MAX);
+        let batch = turns(6);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(2_500);
+        let outcomes = publish_in_waves(&p, &batch, deadline)
+            .await
+            .expect("published");
+        assert_eq!(p.calls(), 3, "waves started: {outcomes:?}");
+        assert!(outcomes[..3].iter().all(|o| matches!(o, Some(Ok(_)))));
+        assert!(outcomes[3..6].iter().all(Option::is_none), "{outcomes:?}");
+        assert!(matches!(outcomes[6], Some(Ok(_))));
     }
 
     #[tokio::test]
