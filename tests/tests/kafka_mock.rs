@@ -1397,3 +1397,66 @@ async fn a_topic_the_relay_may_not_write_to_holds_back_only_its_own_rows() {
     );
     db.cleanup().await;
 }
+
+/// A cluster that refuses the relay's producer an id (no IdempotentWrite
+/// ACL on an older Kafka, a principal with no write rights anywhere):
+/// librdkafka makes that fatal at once, and every new producer meets the
+/// same refusal. The relay took each batch's purge for another batch's
+/// refusal and gave the batch back unsent, to go again at once on a new
+/// producer: producers were built back to back, nothing was published,
+/// and the broker was never reported down, so nothing told the operator.
+/// It is an outage now, reported with librdkafka's reason, and the
+/// producer is rebuilt with a backoff; once the cluster grants the id,
+/// everything goes.
+#[tokio::test]
+async fn a_producer_id_refused_for_good_is_an_outage_not_a_loop() {
+    outbox_tests::init_logging();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    let brokers = mock.bootstrap_servers();
+    let topic = outbox_tests::unique("pid");
+    mock.create_topic(&topic, 2, 1).expect("topic");
+    mock.request_errors(
+        RDKafkaApiKey::InitProducerId,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_CLUSTER_AUTHORIZATION_FAILED; 100_000],
+    );
+    let consumer = Fixture::consume(&brokers, &topic, 2);
+    let db = TestDb::new().await;
+    let relay = InProcessRelay::kafka(&db, &brokers, &[], fast_settings());
+    let messages: Vec<outbox_client::Message> = (0..50)
+        .map(|i| {
+            outbox_client::Message::builder(topic.as_str())
+                .key(format!("k{}", i % 5))
+                .json(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    db.outbox()
+        .enqueue_batch(&db.client, &messages)
+        .await
+        .expect("enqueue");
+    // The first batch finds the producer failed; from then on the broker
+    // shows as down for as long as the refusal lasts.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            relay.stats.broker_down().is_some()
+        })
+        .await,
+        "a producer refused its id for good never showed as the broker down"
+    );
+    relay.assert_broker_stays_down(Duration::from_secs(8)).await;
+    assert_eq!(db.pending().await, 50, "nothing can have been published");
+    mock.clear_request_errors(RDKafkaApiKey::InitProducerId);
+    assert!(
+        eventually(PATIENCE, || async { db.pending().await == 0 }).await,
+        "not drained once the producer id was granted"
+    );
+    assert!(
+        eventually(PATIENCE, || async { consumer.count() >= 50 }).await,
+        "{} of 50 consumed",
+        consumer.count()
+    );
+    relay.stop().await;
+    consumer.stop().await;
+    db.cleanup().await;
+}

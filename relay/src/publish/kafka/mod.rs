@@ -68,6 +68,36 @@ pub struct KafkaPublisher {
     alone: std::sync::Mutex<Option<Arc<KafkaProducer>>>,
     /// librdkafka's `message.max.bytes`: it refuses a larger record.
     max_message_bytes: Option<usize>,
+    /// A producer that failed by itself, and the rebuilds since.
+    failed: std::sync::Mutex<FailedBy>,
+}
+
+/// A producer's fatal error with no refused record behind it: the cluster
+/// refused it a producer id (no IdempotentWrite ACL, a principal that may
+/// write nowhere, a broker without idempotence). Every new producer meets
+/// it again at once, so it is an outage: batches fail with its reason, the
+/// broker shows as down, and producers are rebuilt with a backoff, until
+/// one gets its id.
+#[derive(Debug, Default)]
+struct FailedBy {
+    /// librdkafka's reason, while no producer since has had an id.
+    reason: Option<String>,
+    /// Producers built since it began.
+    rebuilds: u32,
+    /// When the last was built.
+    rebuilt: Option<Instant>,
+}
+
+/// The longest wait between two producers built after one failed by itself.
+const REBUILD_AT_MOST: Duration = Duration::from_secs(30);
+
+/// The fatal error of `producer`, unless it is the gapless guarantee's
+/// (a refused record stopped it, which a new producer does not meet).
+fn failed_by_itself(producer: &KafkaProducer) -> Option<String> {
+    match producer.inner.client().fatal_error() {
+        Some((RDKafkaErrorCode::GaplessGuarantee, _)) | None => None,
+        Some((code, reason)) => Some(format!("{reason} ({code:?})")),
+    }
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -98,6 +128,7 @@ impl KafkaPublisher {
             size_warned: std::sync::Mutex::new(None),
             alone: std::sync::Mutex::new(None),
             max_message_bytes,
+            failed: std::sync::Mutex::new(FailedBy::default()),
         })
     }
 
@@ -117,6 +148,10 @@ impl KafkaPublisher {
     /// follow timed-out records). In-flight records of the old producer have
     /// already failed, so their batch is retried by the relay on the new one.
     fn recover_if_stuck(&self, current: &Arc<KafkaProducer>, error: Option<&KafkaError>) {
+        if failed_by_itself(current).is_some() {
+            let _ = self.still_failed(current);
+            return;
+        }
         let fatal = current.inner.client().fatal_error();
         let fenced = matches!(
             error.and_then(KafkaError::rdkafka_error_code),
@@ -140,9 +175,54 @@ impl KafkaPublisher {
             ?error,
             "kafka producer can no longer produce; creating a new one"
         );
+        self.replace(&mut slot);
+    }
+
+    /// Why the producer cannot be used now, if it failed by itself (see
+    /// [`FailedBy`]): its own fatal error, or a former producer's while the
+    /// one built since has no id yet. Builds a new producer once the
+    /// backoff since the last allows.
+    fn still_failed(&self, current: &Arc<KafkaProducer>) -> Option<String> {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reason) = failed_by_itself(current) {
+            let wait = Duration::from_millis(500)
+                .saturating_mul(1 << failed.rebuilds.min(6))
+                .min(REBUILD_AT_MOST);
+            if failed.rebuilt.is_none_or(|at| at.elapsed() >= wait) {
+                let mut slot = self.producer.write().unwrap_or_else(|p| p.into_inner());
+                if Arc::ptr_eq(&slot, current) {
+                    tracing::warn!(
+                        reason,
+                        rebuilds = failed.rebuilds,
+                        next_in = ?wait,
+                        "kafka producer failed by itself; creating a new one"
+                    );
+                    self.replace(&mut slot);
+                    failed.rebuilds += 1;
+                    failed.rebuilt = Some(Instant::now());
+                }
+            }
+            failed.reason = Some(reason.clone());
+            return Some(reason);
+        }
+        if let Some(reason) = &failed.reason {
+            if !current.setup.has_id() {
+                return Some(reason.clone());
+            }
+            tracing::info!(
+                rebuilds = failed.rebuilds,
+                "kafka producer has its producer id again"
+            );
+            *failed = FailedBy::default();
+        }
+        None
+    }
+
+    /// Puts a new producer in `slot`.
+    fn replace(&self, slot: &mut Arc<KafkaProducer>) {
         match KafkaProducer::new(&self.settings.client_config()) {
             Ok(p) => {
-                let old = std::mem::replace(&mut *slot, Arc::new(p));
+                let old = std::mem::replace(slot, Arc::new(p));
                 // Dropping a producer waits for its threads; keep that off the
                 // async workers.
                 tokio::task::spawn_blocking(move || drop(old));
@@ -291,7 +371,11 @@ impl KafkaPublisher {
                     // batch as a whole is retried.
                     let _ = join_all(pending).await;
                     let stopped = producer.inner.client().fatal_error().is_some();
+                    let by_itself = failed_by_itself(producer);
                     self.recover_if_stuck(producer, Some(&e));
+                    if let Some(reason) = by_itself {
+                        return Err(failed_outage(&reason));
+                    }
                     if stopped {
                         return Err(stopped_at_a_refusal());
                     }
@@ -424,6 +508,7 @@ impl KafkaPublisher {
                 .speed_up(sent, started.elapsed(), self.settings.message_timeout);
         }
         if let Some(e) = batch_error {
+            let by_itself = failed_by_itself(producer);
             self.recover_if_stuck(producer, Some(&e));
             // Records the broker confirmed with an offset are in the log:
             // publishing them again with the rest, at every retry of a
@@ -443,7 +528,10 @@ impl KafkaPublisher {
                 && without_offset == 0
                 && producer.inner.client().fatal_error().is_some()
             {
-                return Err(stopped_at_a_refusal());
+                return Err(match by_itself {
+                    Some(reason) => failed_outage(&reason),
+                    None => stopped_at_a_refusal(),
+                });
             }
             if !(confirmed || broker_refused) || without_offset > 0 {
                 let alone = (timed_out && handed == 1)
@@ -487,6 +575,13 @@ impl KafkaPublisher {
             .map(|o| o.unwrap_or_else(|| Err(Rejection::retryable("no delivery report"))))
             .collect())
     }
+}
+
+/// A batch met a producer that failed by itself (see [`FailedBy`]).
+fn failed_outage(reason: &str) -> PublishError {
+    PublishError::msg(format!(
+        "kafka: the producer failed: {reason}; new producers are built with a backoff until one gets a producer id"
+    ))
 }
 
 /// A batch whose records a stopped producer purged, or would not take:
@@ -583,6 +678,9 @@ impl Publisher for KafkaPublisher {
         deadline: Instant,
     ) -> Result<Vec<Verdict>, PublishError> {
         let mut producer = self.producer();
+        if let Some(reason) = self.still_failed(&producer) {
+            return Err(failed_outage(&reason));
+        }
         if producer.inner.client().fatal_error().is_some() {
             self.recover_if_stuck(&producer, None);
             producer = self.producer();
@@ -649,6 +747,9 @@ impl Publisher for KafkaPublisher {
 
     async fn ready(&self) -> Result<(), PublishError> {
         let producer = self.producer();
+        if let Some(reason) = self.still_failed(&producer) {
+            return Err(failed_outage(&reason));
+        }
         tokio::task::spawn_blocking(move || {
             producer
                 .inner

@@ -223,6 +223,12 @@ impl SetUp {
         }
     }
 
+    /// Whether the producer has a producer id, as far as its statistics
+    /// tell (always, with statistics off).
+    pub(super) fn has_id(&self) -> bool {
+        self.state().without_id_since.is_none()
+    }
+
     /// Those of `topics` that the broker said do not exist when last asked.
     /// Their records are then not handed to librdkafka: it would hold them
     /// until their message timeout (or `topic.metadata.propagation.max.ms`,
