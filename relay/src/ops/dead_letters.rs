@@ -274,6 +274,7 @@ pub async fn pause(
 /// that holds them: a claim that found the destination still paused sets
 /// them aside until the next recheck (as behind a dead letter, see
 /// `discard`), and a batch claimed before the pause finishes publishing.
+/// Fresh rows are locked too: a claim may be setting them aside now.
 pub async fn resume(
     client: &Client,
     schema: &SchemaName,
@@ -286,7 +287,7 @@ pub async fn resume(
                 "WITH gone AS (DELETE FROM {s}.paused_destinations WHERE destination = $1 RETURNING 1), \
                  held AS ( \
                     SELECT seq, next_attempt_at FROM {s}.messages \
-                    WHERE EXISTS (SELECT 1 FROM gone) AND next_attempt_at <> '-infinity' \
+                    WHERE EXISTS (SELECT 1 FROM gone) \
                       AND (destination = $1 OR (attempts = 0 AND ordering_key IN ( \
                             SELECT ordering_key FROM {s}.messages \
                             WHERE destination = $1 AND ordering_key IS NOT NULL))) \
@@ -346,12 +347,15 @@ pub async fn discard(
 /// them aside again until the next recheck. Judged by this statement's
 /// snapshot, such a row is due, not set aside, and was left as it was; the
 /// claim then committed its recheck a `--retry-max` away. A lock taken
-/// after the wait reads the row as that claim left it.
+/// after the wait reads the row as that claim left it. So every row of the
+/// keys is locked, fresh ones too: a claim may be setting fresh rows aside
+/// at this moment, and a row chosen by this statement's snapshot (where it
+/// is fresh) would be neither locked nor waited for.
 fn unhold_keys_of(schema: &str, source: &str) -> String {
     format!(
         "behind AS (SELECT seq, next_attempt_at FROM {schema}.messages \
            WHERE ordering_key IN (SELECT ordering_key FROM {source} WHERE ordering_key IS NOT NULL) \
-             AND next_attempt_at <> '-infinity' FOR UPDATE), \
+           FOR UPDATE), \
          unheld AS (UPDATE {schema}.messages AS m SET next_attempt_at = now() FROM behind \
            WHERE m.seq = behind.seq AND behind.next_attempt_at > now() RETURNING 1)"
     )

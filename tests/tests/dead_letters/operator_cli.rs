@@ -412,6 +412,129 @@ async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_befo
     db.cleanup().await;
 }
 
+/// `discard` while a claim is setting the key's rows aside: the claim has
+/// locked the key's fresh rows, found the dead letter and written their
+/// hold, and not yet committed. The discard chose the rows to bring back by
+/// its own snapshot, where they were fresh, so it neither took nor waited
+/// for them; the claim then committed its hold, and the rows waited out
+/// `--retry-max` behind a dead letter that no longer existed. The discard
+/// now waits for the claim and reads the rows as it left them; `resume`
+/// too, for a claim setting rows aside behind a pause.
+#[tokio::test]
+async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
+    let db = TestDb::new().await;
+    let dead = "01900000-0000-7000-8000-000000000002";
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO {}.dead_letters (seq, message_id, destination, ordering_key, \
+                 routing_key, headers, payload, created_at, attempts, last_error) \
+                 VALUES (-1, $1::text::uuid, 'orders', 'k', '', '{{}}', 'x', now(), 3, 'unroutable')",
+                db.schema.quoted()
+            ),
+            &[&dead],
+        )
+        .await
+        .expect("dead letter");
+    for i in 0..5 {
+        db.outbox()
+            .enqueue(&db.client, &msg("orders", "k", i))
+            .await
+            .expect("enqueue");
+    }
+    // Due now, as after the discard; false while any waits for a recheck.
+    let all_due = || async {
+        db.client
+            .query_one(
+                &format!(
+                    "SELECT bool_and(next_attempt_at <= now()) FROM {} WHERE ordering_key = 'k'",
+                    db.table()
+                ),
+                &[],
+            )
+            .await
+            .expect("rows")
+            .get::<_, bool>(0)
+    };
+    // As a claim does it, in one transaction: lock the key's fresh rows,
+    // then set them aside behind the dead letter (here, or behind a pause).
+    let claim = |set_aside: &'static str| {
+        let table = db.table();
+        async move {
+            let (client, connection) =
+                tokio_postgres::connect(&outbox_tests::pg_url(), tokio_postgres::NoTls)
+                    .await
+                    .expect("connect");
+            tokio::spawn(connection);
+            client
+                .batch_execute(&format!(
+                    "BEGIN; \
+                     SELECT seq FROM {table} WHERE ordering_key = 'k' \
+                       AND next_attempt_at = '-infinity' FOR UPDATE SKIP LOCKED; \
+                     UPDATE {table} SET next_attempt_at = now() + interval '{set_aside}' \
+                       WHERE ordering_key = 'k'"
+                ))
+                .await
+                .expect("the claim's hold");
+            client
+        }
+    };
+
+    let holding = claim("60 seconds").await;
+    let discard = tokio::spawn({
+        let schema = db.schema.to_string();
+        async move {
+            outbox_tests::process::cli(
+                RELAY_BIN,
+                &schema,
+                &["dead-letters", "discard", "--id", dead, "--yes"],
+            )
+            .await
+        }
+    });
+    // Long enough for the discard to have run to its end, had it not
+    // waited for the claim.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    holding
+        .batch_execute("COMMIT")
+        .await
+        .expect("the claim commits");
+    let (code, out, err) = discard.await.expect("discard");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        all_due().await,
+        "the key's rows wait for their recheck behind a dead letter that was discarded"
+    );
+
+    // The same with `resume` and a claim that found the destination paused.
+    let (code, out, err) = cli(&db, &["pause", "orders"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .execute(
+            &format!("UPDATE {} SET next_attempt_at = '-infinity'", db.table()),
+            &[],
+        )
+        .await
+        .expect("fresh again");
+    let holding = claim("60 seconds").await;
+    let resume = tokio::spawn({
+        let schema = db.schema.to_string();
+        async move { outbox_tests::process::cli(RELAY_BIN, &schema, &["resume", "orders"]).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    holding
+        .batch_execute("COMMIT")
+        .await
+        .expect("the claim commits");
+    let (code, out, err) = resume.await.expect("resume");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        all_due().await,
+        "the destination's rows wait for their recheck after it was resumed"
+    );
+    db.cleanup().await;
+}
+
 /// The deploy files give the URLs as files (`OUTBOX_DATABASE_URL_FILE`),
 /// and an operator who runs a command in the relay's container with
 /// `--database-url` pointed elsewhere (staging, a replica) means that
