@@ -19,6 +19,7 @@ mod blocked_head;
 mod failover;
 mod floor;
 mod idle;
+mod lanes;
 mod outboxes;
 mod plans;
 mod reaped;
