@@ -125,6 +125,8 @@ pub struct RunArgs {
     pub hold_limit: Duration,
     /// How long a replica that stops answering keeps its partitions: the
     /// failover bound. A replica that dies outright hands them over at once.
+    /// At least 1s: the server ends an ownership session silent for this
+    /// long, and a shorter one ends at any pause of the process.
     #[arg(long, env = "OUTBOX_LEASE", default_value = "5s", value_parser = parse_duration)]
     pub lease: Duration,
     /// Broker rejections (returns, nacks, unknown topic...) before a message is
@@ -216,6 +218,9 @@ pub enum Broker {
     Kafka(crate::publish::kafka::KafkaSettings),
 }
 
+/// The shortest `--lease`.
+const MIN_LEASE: Duration = Duration::from_secs(1);
+
 impl RunArgs {
     /// Validates the flags into a [`Config`].
     pub fn into_config(self) -> Result<Config, ConfigError> {
@@ -226,6 +231,19 @@ impl RunArgs {
                     "{} must exceed --confirm-timeout ({}), or a slow broker would lose the rows' locks mid-batch",
                     humantime::format_duration(self.hold_limit),
                     humantime::format_duration(self.confirm_timeout)
+                ),
+            });
+        }
+        if self.lease < MIN_LEASE {
+            return Err(ConfigError {
+                flag: "--lease",
+                reason: format!(
+                    "{} is under {}: Postgres ends an ownership session silent for the lease, \
+                     and one this short ends at any pause of the process (a CPU-throttled \
+                     container, a garbage-collected neighbour), so partitions and readiness \
+                     would come and go",
+                    humantime::format_duration(self.lease),
+                    humantime::format_duration(MIN_LEASE)
                 ),
             });
         }
@@ -454,6 +472,20 @@ mod tests {
         };
         let err = args.into_config().map(|_| ()).expect_err("rejected");
         assert_eq!(err.flag, "--hold-limit");
+    }
+
+    /// A lease of 0 or under a second was taken as it came: the ownership
+    /// session's idle timeout then ended it at any pause of the process
+    /// (0 turned the server's timeout off, and the heartbeat spun).
+    #[test]
+    fn a_lease_under_a_second_is_refused() {
+        for lease in ["0s", "200ms"] {
+            let err = config_of(&["outbox-relay", "run", "--lease", lease])
+                .map(|_| ())
+                .expect_err("refused");
+            assert_eq!(err.flag, "--lease", "{err}");
+        }
+        config_of(&["outbox-relay", "run", "--lease", "1s"]).expect("a lease of 1s");
     }
 
     fn config_of(argv: &[&str]) -> Result<Config, ConfigError> {
