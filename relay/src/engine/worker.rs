@@ -458,6 +458,19 @@ impl<P: Publisher, S: Store> Worker<P, S> {
                 },
             )
             .await?;
+        if claimed.stale_floor {
+            tracing::info!(
+                worker = self.id,
+                "the outbox's seq sequence was restarted under the claim floor; claiming again from seq 0"
+            );
+            self.floor.drop_stale();
+            tx.release();
+            return Ok(BatchEnd::Settled {
+                more: true,
+                late: false,
+                cycle: None,
+            });
+        }
         // Every commit the claim could see had been made by now.
         let seen = Instant::now();
         metrics::histogram!(crate::metrics::CLAIM).record(claimed_at.elapsed().as_secs_f64());

@@ -126,6 +126,13 @@ pub struct FloorAt {
     /// A higher seq for the fresh scan of the partitions this replica
     /// owns, when it owns some and not all (see [`Own`]).
     pub own: Option<Own>,
+    /// The seq sequence's storage file the floor was computed against,
+    /// when known. A claim that finds another (the sequence restarted by
+    /// `TRUNCATE ... RESTART IDENTITY` since) keeps nothing: until the
+    /// floor's next read of the sequence, it is a floor for rows that are
+    /// gone, and new rows of a key below it would be overtaken by its rows
+    /// above it.
+    pub file: Option<i64>,
 }
 
 /// The floor of a set of partitions: the lowest seq a fresh row of one of
@@ -151,6 +158,7 @@ impl From<i64> for FloorAt {
             probe: seq,
             open: None,
             own: None,
+            file: None,
         }
     }
 }
@@ -194,6 +202,12 @@ impl Floor {
     /// is work (and once per rescan interval while idle).
     pub fn note_claim(&self) {
         self.claims.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Drops the floor until the next step computes it: a claim found the
+    /// sequence restarted under it (see [`FloorAt::file`]).
+    pub fn drop_stale(&self) {
+        self.set(0.into());
     }
 
     fn set(&self, at: FloorAt) {
@@ -598,6 +612,7 @@ impl Tracker {
             probe: self.passed_base().map_or(scan, |b| b.min(scan)),
             open: open.filter(|ids| !ids.is_empty()).map(Arc::from),
             own: self.own.clone().filter(|o| o.scan > scan),
+            file: self.sequence_file,
         }
     }
 

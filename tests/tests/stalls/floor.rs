@@ -1193,6 +1193,25 @@ async fn a_sequence_restarted_and_written_past_the_floor_at_once_strands_nothing
             .count(),
         relay.floor.get()
     );
+    // Each key's rows went out first in the order they were written: the
+    // rows below the floor were not overtaken by their keys' newer ones.
+    let new: std::collections::HashSet<uuid::Uuid> = ids.iter().map(|id| id.as_uuid()).collect();
+    let mut firsts: std::collections::HashMap<String, Vec<i64>> = std::collections::HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for e in relay.publisher::<MemoryPublisher>().published() {
+        if new.contains(&e.message_id) && seen.insert(e.message_id) {
+            firsts
+                .entry(e.ordering_key.clone().unwrap_or_default())
+                .or_default()
+                .push(e.seq);
+        }
+    }
+    for (key, seqs) in &firsts {
+        assert!(
+            seqs.windows(2).all(|w| w[0] < w[1]),
+            "key {key}'s rows went out of order across the restarted sequence: {seqs:?}"
+        );
+    }
     relay.stop().await;
     db.cleanup().await;
 }

@@ -100,6 +100,12 @@ pub struct Claimed {
     /// kept turn out to weigh once read (their header bytes are reckoned
     /// before).
     pub left_out: bool,
+    /// Whether the claim found the seq sequence restarted since the floor
+    /// it used was computed (`TRUNCATE ... RESTART IDENTITY`, written past
+    /// the floor again at once): the rows below that floor were not looked
+    /// at, fresh or not, so a key's older row there could be overtaken.
+    /// Nothing was kept; the caller drops the floor and claims again.
+    pub stale_floor: bool,
     /// Whether every commit the claim could see is already durable, as the
     /// claim itself showed: by its second round trip the WAL was flushed
     /// past the insert position its locking scan read before locking any
@@ -406,6 +412,16 @@ impl Queries {
                     parked_from: row.try_get("parked_from")?,
                 },
             );
+        }
+        if floor.scan > 0
+            && floor.file.is_some_and(|f| {
+                paused.try_get::<_, Option<i64>>("seq_file").ok().flatten() != Some(f)
+            })
+        {
+            return Ok(Claimed {
+                stale_floor: true,
+                ..Claimed::default()
+            });
         }
         let now: SystemTime = paused.try_get("now")?;
         let wal_flushed: Option<PgLsn> = paused.try_get("wal_flushed")?;

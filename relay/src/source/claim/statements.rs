@@ -226,10 +226,15 @@ impl Queries {
                 "SELECT seq, headers, payload FROM {t} WHERE seq = ANY($1::bigint[]) ORDER BY seq"
             ),
             // With the WAL's flush position, for `Claimed::flushed`.
+            // And the seq sequence's storage file, which `TRUNCATE ...
+            // RESTART IDENTITY` replaces: see `Claimed::stale_floor`.
             paused: format!(
                 "SELECT now() AS now, ARRAY(SELECT destination FROM {pd}) AS paused, \
                         {WAL_FLUSHED} AS wal_flushed, \
-                        current_setting('synchronous_standby_names') = '' AS no_sync_standby"
+                        current_setting('synchronous_standby_names') = '' AS no_sync_standby, \
+                        pg_relation_filenode(pg_get_serial_sequence('{lit}', 'seq')::regclass)::bigint \
+                          AS seq_file",
+                lit = t.replace('\'', "''")
             ),
             hold: keep_behind(
                 &t,
