@@ -63,7 +63,7 @@ use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{Client, Config, NoTls, Socket};
 
 /// What went wrong around the job (the job's own result is returned in
-/// [`Exclusive::Ran`]).
+/// [`Exclusive::Ran`] or [`Exclusive::LostLock`]).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum JobLockError {

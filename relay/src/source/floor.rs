@@ -918,7 +918,16 @@ pub async fn run(
                     // would not know to come back for their rows.
                     Err(e) => {
                         if let Some(base) = tracker.passed_base() {
-                            floor.set(floor.get().min(base).into());
+                            // The sequence's file stays: a claim still
+                            // checks it while the session reconnects.
+                            let at = floor.at();
+                            floor.set(FloorAt {
+                                scan: at.scan.min(base),
+                                probe: at.probe.min(base),
+                                open: None,
+                                own: None,
+                                file: at.file,
+                            });
                         }
                         return Err(e);
                     }

@@ -643,7 +643,14 @@ impl Publisher for AmqpPublisher {
                 // every later batch before sending (see `Handed`), and only
                 // its own frames go once the alarm clears.
                 let blocked = connection.status().blocked();
-                if !blocked {
+                if blocked {
+                    // Its close goes behind its publishes, once the alarm
+                    // clears: the kept connection must not gather channels.
+                    let channel = channel.clone();
+                    tokio::spawn(async move {
+                        let _ = channel.close(200, "batch cut".into()).await;
+                    });
+                } else {
                     self.broker.drop_link(&connection, "confirm timeout").await;
                 }
                 if confirmed == 0 || blocked {

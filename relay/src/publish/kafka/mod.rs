@@ -91,11 +91,15 @@ struct FailedBy {
 /// The longest wait between two producers built after one failed by itself.
 const REBUILD_AT_MOST: Duration = Duration::from_secs(30);
 
-/// The fatal error of `producer`, unless it is the gapless guarantee's
-/// (a refused record stopped it, which a new producer does not meet).
+/// The fatal error of `producer`, if it failed before it ever had a
+/// producer id and not for the gapless guarantee (a refused record stopped
+/// it, which a new producer does not meet). A producer that had an id and
+/// then failed (a sequence out of step after timed-out records) is
+/// replaced at once, as before.
 fn failed_by_itself(producer: &KafkaProducer) -> Option<String> {
     match producer.inner.client().fatal_error() {
         Some((RDKafkaErrorCode::GaplessGuarantee, _)) | None => None,
+        Some(_) if producer.setup.had_id() => None,
         Some((code, reason)) => Some(format!("{reason} ({code:?})")),
     }
 }

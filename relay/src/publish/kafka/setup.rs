@@ -71,6 +71,8 @@ struct State {
     without_id_since: Option<Instant>,
     /// Whether librdkafka has reported the idempotence state yet.
     reported: bool,
+    /// Whether its statistics ever showed it with a producer id.
+    had_id: bool,
     /// Topics whose metadata the broker has answered for, with their
     /// partition counts.
     known: HashMap<String, i32>,
@@ -91,6 +93,7 @@ impl SetUp {
             state: Mutex::new(State {
                 without_id_since: (!statistics.is_zero()).then_some(now),
                 reported: false,
+                had_id: false,
                 known: HashMap::new(),
                 absent: HashSet::new(),
                 asking: Vec::new(),
@@ -113,6 +116,7 @@ impl SetUp {
         let assigned = state == "Assigned";
         let mut s = self.state();
         s.reported = true;
+        s.had_id |= assigned;
         let changed = match (&s.without_id_since, assigned) {
             (Some(_), true) => {
                 s.without_id_since = None;
@@ -227,6 +231,12 @@ impl SetUp {
     /// tell (always, with statistics off).
     pub(super) fn has_id(&self) -> bool {
         self.state().without_id_since.is_none()
+    }
+
+    /// Whether its statistics ever showed it with a producer id (never,
+    /// with statistics off).
+    pub(super) fn had_id(&self) -> bool {
+        self.state().had_id
     }
 
     /// Those of `topics` that the broker said do not exist when last asked.
