@@ -16,6 +16,7 @@ use tracing_subscriber::EnvFilter;
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
+    warn_unknown_env(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cli.runtime_threads.into())
         .enable_all()
@@ -48,6 +49,75 @@ pub fn main() -> ExitCode {
             } else {
                 ExitCode::FAILURE
             }
+        }
+    }
+}
+
+/// The `OUTBOX_*` variables among `names` that name no setting, each with
+/// the setting it is likely a misspelling of: one such variable
+/// (`OUTBOX_SHUTDOWN_GRACE_PERIOD`) was ignored without a trace, and the
+/// default applied. `OUTBOX_LOG` and the `OUTBOX_TEST_` hooks are read
+/// directly.
+pub fn unknown_env(names: impl Iterator<Item = String>) -> Vec<(String, Option<String>)> {
+    fn walk(cmd: &clap::Command, out: &mut std::collections::BTreeSet<String>) {
+        for a in cmd.get_arguments() {
+            if let Some(e) = a.get_env() {
+                out.insert(e.to_string_lossy().into_owned());
+            }
+        }
+        for s in cmd.get_subcommands() {
+            walk(s, out);
+        }
+    }
+    let mut known = std::collections::BTreeSet::new();
+    walk(&<Cli as clap::CommandFactory>::command(), &mut known);
+    known.insert("OUTBOX_LOG".to_owned());
+    let mut unknown: Vec<(String, Option<String>)> = names
+        .filter(|n| n.starts_with("OUTBOX_") && !n.starts_with("OUTBOX_TEST_"))
+        .filter(|n| !known.contains(n))
+        .map(|n| {
+            let near = known
+                .iter()
+                .map(|k| (edits(&n, k), k))
+                .filter(|(d, _)| *d <= n.len() / 3)
+                .min()
+                .map(|(_, k)| k.clone());
+            (n, near)
+        })
+        .collect();
+    unknown.sort();
+    unknown
+}
+
+/// Edits (insertions, deletions, substitutions) from `a` to `b`.
+fn edits(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1)
+                .min(row[j] + 1)
+                .min(diagonal + usize::from(ca != *cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
+fn warn_unknown_env(names: impl Iterator<Item = String>) {
+    for (name, near) in unknown_env(names) {
+        match near {
+            Some(near) => tracing::warn!(
+                variable = %name,
+                "{name} is not a setting of outbox-relay and is ignored; did you mean {near}?"
+            ),
+            None => tracing::warn!(
+                variable = %name,
+                "{name} is not a setting of outbox-relay and is ignored"
+            ),
         }
     }
 }
@@ -367,7 +437,37 @@ fn print_out<T: serde::Serialize>(v: &T, json: bool, text: impl Fn(&T) -> String
 
 #[cfg(test)]
 mod tests {
-    use super::log_filter;
+    use super::{log_filter, unknown_env};
+
+    /// A misspelled variable was ignored without a word, and its default
+    /// applied: now it is named, with the setting it likely meant.
+    #[test]
+    fn variables_that_name_no_setting_are_named_with_the_likely_one() {
+        let names = [
+            "OUTBOX_SHUTDOWN_GRACE_PERIOD",
+            "OUTBOX_BATCHSIZE",
+            "OUTBOX_SCHEMA",
+            "OUTBOX_LOG",
+            "OUTBOX_TEST_MUTANT",
+            "OUTBOX_ZZZZZZZZZZZZZZZZZZ",
+            "PATH",
+        ]
+        .map(str::to_owned);
+        assert_eq!(
+            unknown_env(names.into_iter()),
+            vec![
+                (
+                    "OUTBOX_BATCHSIZE".to_owned(),
+                    Some("OUTBOX_BATCH_SIZE".to_owned())
+                ),
+                (
+                    "OUTBOX_SHUTDOWN_GRACE_PERIOD".to_owned(),
+                    Some("OUTBOX_SHUTDOWN_GRACE".to_owned())
+                ),
+                ("OUTBOX_ZZZZZZZZZZZZZZZZZZ".to_owned(), None),
+            ]
+        );
+    }
 
     #[test]
     fn dependencies_stay_quiet_unless_named() {

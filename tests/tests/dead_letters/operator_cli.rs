@@ -613,3 +613,27 @@ async fn a_url_given_both_by_value_and_by_file_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
     db.cleanup().await;
 }
+
+/// A misspelled setting (`OUTBOX_SHUTDOWN_GRACE_PERIOD` for
+/// `OUTBOX_SHUTDOWN_GRACE`) was ignored without a word and its default
+/// applied; every command now names it, with the setting it likely meant.
+#[tokio::test]
+async fn a_misspelled_variable_is_named_with_the_setting_it_likely_meant() {
+    let db = TestDb::new().await;
+    let out = Command::new(RELAY_BIN)
+        .args(["dead-letters", "list"])
+        .env("OUTBOX_DATABASE_URL", outbox_tests::pg_url())
+        .env("OUTBOX_SCHEMA", db.schema.as_str())
+        .env("OUTBOX_SHUTDOWN_GRACE_PERIOD", "30s")
+        .output()
+        .await
+        .expect("run dead-letters list");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("OUTBOX_SHUTDOWN_GRACE_PERIOD")
+            && err.contains("did you mean OUTBOX_SHUTDOWN_GRACE?"),
+        "the misspelled variable was not named: {err}"
+    );
+    db.cleanup().await;
+}
