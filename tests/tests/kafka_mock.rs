@@ -1446,6 +1446,13 @@ async fn a_producer_id_refused_for_good_is_an_outage_not_a_loop() {
     );
     relay.assert_broker_stays_down(Duration::from_secs(8)).await;
     assert_eq!(db.pending().await, 50, "nothing can have been published");
+    // The first at once, then after 1 s, doubling: a handful, not a
+    // producer per batch, as many as the workers could claim.
+    let replaced = relay.publisher::<KafkaPublisher>().producers_replaced();
+    assert!(
+        replaced <= 8,
+        "{replaced} producers built while the id was refused: rebuilt back to back"
+    );
     mock.clear_request_errors(RDKafkaApiKey::InitProducerId);
     assert!(
         eventually(PATIENCE, || async { db.pending().await == 0 }).await,

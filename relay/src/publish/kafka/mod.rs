@@ -70,6 +70,8 @@ pub struct KafkaPublisher {
     max_message_bytes: Option<usize>,
     /// A producer that failed by itself, and the rebuilds since.
     failed: std::sync::Mutex<FailedBy>,
+    /// Producers built in place of one that could no longer produce.
+    replaced: std::sync::atomic::AtomicU64,
 }
 
 /// A producer's fatal error with no refused record behind it: the cluster
@@ -133,7 +135,14 @@ impl KafkaPublisher {
             alone: std::sync::Mutex::new(None),
             max_message_bytes,
             failed: std::sync::Mutex::new(FailedBy::default()),
+            replaced: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// How many producers were built in place of one that could no longer
+    /// produce.
+    pub fn producers_replaced(&self) -> u64 {
+        self.replaced.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Publishes every record as a CloudEvent in binary content mode, with
@@ -226,6 +235,8 @@ impl KafkaPublisher {
     fn replace(&self, slot: &mut Arc<KafkaProducer>) {
         match KafkaProducer::new(&self.settings.client_config()) {
             Ok(p) => {
+                self.replaced
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let old = std::mem::replace(slot, Arc::new(p));
                 // Dropping a producer waits for its threads; keep that off the
                 // async workers.
