@@ -174,7 +174,7 @@ async fn serve_relay<P: publish::Publisher>(
         let helpers = futures::future::join_all(helpers);
         if tokio::time::timeout(HTTP_CLOSE, helpers).await.is_err() {
             tracing::warn!(
-                "HTTP connections still open {HTTP_CLOSE:?} after shutdown; closing them"
+                "the endpoints (an HTTP connection still open, or the gauges' read) had not ended {HTTP_CLOSE:?} after shutdown; exiting without them"
             );
         }
         return result;
