@@ -86,7 +86,10 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
-    /// A caller-chosen message id is already in the outbox.
+    /// A caller-chosen message id is already in the outbox. Its row was
+    /// skipped and nothing failed: the transaction goes on, and a batch's
+    /// other messages were written. Commit to keep them with your own
+    /// writes (the message is enqueued already), or roll back.
     #[error("message id {message_id} is already in the outbox")]
     DuplicateMessageId {
         /// The id that collided (the first one, for a batch).
@@ -280,7 +283,6 @@ pub(crate) fn retryable(e: &tokio_postgres::Error) -> bool {
 /// A database error with a variant of its own, whichever driver reported it.
 enum Cause {
     SchemaMissing,
-    DuplicateMessageId,
 }
 
 impl Cause {
@@ -293,7 +295,10 @@ impl Cause {
         ];
         match sqlstate {
             Some(c) if missing.contains(&c) => Some(Cause::SchemaMissing),
-            Some(c) if c == SqlState::UNIQUE_VIOLATION.code() => Some(Cause::DuplicateMessageId),
+            // Not a unique violation: an id the caller chose that is in the
+            // outbox already is skipped by the insert (see
+            // `rows::insert_sql`), and one on another key (`seq`, after the
+            // sequence was set back by hand) is no duplicate message.
             _ => None,
         }
     }
@@ -302,10 +307,6 @@ impl Cause {
         match self {
             Cause::SchemaMissing => Error::SchemaMissing {
                 schema: schema.to_string(),
-                source,
-            },
-            Cause::DuplicateMessageId => Error::DuplicateMessageId {
-                message_id: MessageIdOrBatch::Batch,
                 source,
             },
         }

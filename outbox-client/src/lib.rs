@@ -119,8 +119,7 @@ pub const MAX_KEY_BYTES: usize = 512;
 pub struct Outbox {
     schema: SchemaName,
     max_payload_bytes: usize,
-    insert_sql: String,
-    insert_typed_sql: String,
+    inserts: rows::Inserts,
 }
 
 impl Default for Outbox {
@@ -138,8 +137,7 @@ impl Outbox {
     /// An outbox in an already validated schema.
     pub fn with_schema(schema: SchemaName) -> Self {
         Outbox {
-            insert_sql: rows::insert_sql(&schema, false),
-            insert_typed_sql: rows::insert_sql(&schema, true),
+            inserts: rows::Inserts::new(&schema),
             schema,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         }
@@ -205,16 +203,17 @@ impl Outbox {
             &rows.payloads,
             &rows.content_types,
         ];
+        let sql = self.inserts.of(&rows);
         let result = match &rows.event_types {
-            None => client.execute(self.insert_sql.as_str(), &columns).await,
+            None => client.execute(sql, &columns).await,
             Some(types) => {
                 let mut typed = columns.to_vec();
                 typed.push(types);
-                client.execute(self.insert_typed_sql.as_str(), &typed).await
+                client.execute(sql, &typed).await
             }
         };
-        result.map_err(|e| Error::from_db(&self.schema, e))?;
-        Ok(())
+        let written = result.map_err(|e| Error::from_db(&self.schema, e))?;
+        rows::check_written(&rows, written)
     }
 }
 

@@ -204,7 +204,8 @@ impl MessageBuilder {
     }
 
     /// Uses a caller-chosen message id instead of a fresh UUIDv7, e.g. to make the
-    /// enqueue itself idempotent.
+    /// enqueue itself idempotent: an id already in the outbox is skipped and
+    /// reported as [`Error::DuplicateMessageId`], and the transaction goes on.
     pub fn message_id(mut self, id: impl Into<MessageId>) -> Self {
         self.message.message_id = Some(id.into());
         self

@@ -10,7 +10,13 @@ use crate::{trace, Error, Message, MessageId, MessageIdOrBatch, SchemaName};
 /// The insert for `schema`, with the `event_type` column (migration V8) or
 /// without it. A batch that sets no event type uses the plain one, so a
 /// client of this version still writes to a schema one migration behind.
-pub(crate) fn insert_sql(schema: &SchemaName, typed: bool) -> String {
+/// With `chosen` (some message's id is the caller's), a row whose id is
+/// already in the outbox is skipped rather than failing the statement:
+/// a failed statement aborts the caller's transaction, and an app that took
+/// the duplicate for "already enqueued" and committed lost its own writes
+/// to the rollback Postgres answers such a COMMIT with. Fresh UUIDv7 ids
+/// cannot meet, and their insert skips the check's cost.
+pub(crate) fn insert_sql(schema: &SchemaName, typed: bool, chosen: bool) -> String {
     // One statement for one message or ten thousand: unnest keeps the array
     // order, so seq follows the order of the slice.
     let (column, array) = if typed {
@@ -22,9 +28,68 @@ pub(crate) fn insert_sql(schema: &SchemaName, typed: bool) -> String {
         "INSERT INTO {}.messages \
            (message_id, destination, ordering_key, routing_key, headers, payload, content_type{column}) \
          SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], \
-                              $6::bytea[], $7::text[]{array})",
-        schema.quoted()
+                              $6::bytea[], $7::text[]{array}){conflict}",
+        schema.quoted(),
+        conflict = if chosen {
+            " ON CONFLICT (message_id) DO NOTHING"
+        } else {
+            ""
+        }
     )
+}
+
+/// The statements of [`insert_sql`], by (typed, chosen).
+#[derive(Debug, Clone)]
+pub(crate) struct Inserts([String; 4]);
+
+impl Inserts {
+    pub(crate) fn new(schema: &SchemaName) -> Self {
+        Inserts([
+            insert_sql(schema, false, false),
+            insert_sql(schema, true, false),
+            insert_sql(schema, false, true),
+            insert_sql(schema, true, true),
+        ])
+    }
+
+    /// The statement for `rows`.
+    pub(crate) fn of(&self, rows: &Rows<'_>) -> &str {
+        let i = usize::from(rows.event_types.is_some()) + 2 * usize::from(rows.chosen);
+        &self.0[i]
+    }
+}
+
+/// Why a statement wrote fewer rows than it was given: the others' ids were
+/// already in the outbox.
+#[derive(Debug)]
+pub(crate) struct AlreadyInOutbox {
+    pub(crate) skipped: u64,
+}
+
+impl std::fmt::Display for AlreadyInOutbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} message(s) skipped, their ids already in the outbox; the transaction goes on",
+            self.skipped
+        )
+    }
+}
+
+impl std::error::Error for AlreadyInOutbox {}
+
+/// An error when the insert wrote `written` of `rows.ids`.
+pub(crate) fn check_written(rows: &Rows<'_>, written: u64) -> Result<(), Error> {
+    let given = rows.ids.len() as u64;
+    if written >= given {
+        return Ok(());
+    }
+    Err(Error::DuplicateMessageId {
+        message_id: MessageIdOrBatch::Batch,
+        source: Box::new(AlreadyInOutbox {
+            skipped: given - written,
+        }),
+    })
 }
 
 /// The id each message is written with: its own, or a fresh UUIDv7.
@@ -57,6 +122,8 @@ pub(crate) struct Rows<'a> {
     pub content_types: Vec<Option<&'a str>>,
     /// None when no message of the batch has an event type.
     pub event_types: Option<Vec<Option<&'a str>>>,
+    /// Whether some message's id is the caller's (see [`insert_sql`]).
+    pub chosen: bool,
 }
 
 /// The most one batch's statement may carry. Postgres refuses a protocol
@@ -140,6 +207,7 @@ impl<'a> Rows<'a> {
             payloads: messages.iter().map(|m| m.payload.as_slice()).collect(),
             content_types: messages.iter().map(|m| m.content_type.as_deref()).collect(),
             event_types,
+            chosen: messages.iter().any(|m| m.message_id.is_some()),
         })
     }
 }

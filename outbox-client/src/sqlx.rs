@@ -65,10 +65,7 @@ impl Outbox {
             return Ok(());
         }
         let rows = Rows::new(messages, ids, self.max_payload_bytes)?;
-        let sql = match rows.event_types {
-            None => self.insert_sql.as_str(),
-            Some(_) => self.insert_typed_sql.as_str(),
-        };
+        let sql = self.inserts.of(&rows);
         let mut query = ::sqlx::query(sql)
             .bind(&rows.ids)
             .bind(&rows.destinations)
@@ -80,11 +77,12 @@ impl Outbox {
         if let Some(types) = &rows.event_types {
             query = query.bind(types);
         }
-        query
+        let written = query
             .execute(conn)
             .await
-            .map_err(|e| Error::from_sqlx(&self.schema, e))?;
-        Ok(())
+            .map_err(|e| Error::from_sqlx(&self.schema, e))?
+            .rows_affected();
+        rows::check_written(&rows, written)
     }
 }
 

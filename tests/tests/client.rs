@@ -320,6 +320,89 @@ async fn caller_chosen_ids_are_kept_and_duplicates_rejected() {
     db.cleanup().await;
 }
 
+/// A caller-chosen id makes the enqueue idempotent, and an app that takes
+/// `DuplicateMessageId` as "already enqueued" commits its transaction. The
+/// insert failed on the unique key, which aborted the transaction, and
+/// Postgres answered that COMMIT with a rollback and no error: the app's own
+/// writes were gone. A duplicate now skips the row, the transaction goes on,
+/// and in a batch the other messages are written.
+#[tokio::test]
+async fn a_duplicate_id_leaves_the_callers_transaction_usable() {
+    let db = TestDb::new().await;
+    let table = outbox_tests::unique("orders");
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE {}.{table} (id int PRIMARY KEY, state text); \
+             INSERT INTO {}.{table} VALUES (42, 'new')",
+            db.schema.quoted(),
+            db.schema.quoted()
+        ))
+        .await
+        .expect("domain table");
+    let id = MessageId::from(uuid::Uuid::new_v4());
+    let with_id = |i: MessageId| {
+        Message::builder("d")
+            .message_id(i)
+            .payload("x")
+            .build()
+            .expect("valid")
+    };
+    db.outbox()
+        .enqueue(&db.client, &with_id(id))
+        .await
+        .expect("first");
+    let mut client = outbox_tests::db::connect(&db.config).await;
+    let tx = client.transaction().await.expect("begin");
+    tx.execute(
+        &format!(
+            "UPDATE {}.{table} SET state = 'paid' WHERE id = 42",
+            db.schema.quoted()
+        ),
+        &[],
+    )
+    .await
+    .expect("the app's own write");
+    match db.outbox().enqueue(&tx, &with_id(id)).await {
+        Err(Error::DuplicateMessageId { message_id, .. }) => {
+            assert_eq!(message_id.to_string(), id.to_string())
+        }
+        other => panic!("expected DuplicateMessageId, got {other:?}"),
+    }
+    // A batch with the same id and a new one: the new one is written.
+    let other = MessageId::from(uuid::Uuid::new_v4());
+    match db
+        .outbox()
+        .enqueue_batch(&tx, &[with_id(id), with_id(other)])
+        .await
+    {
+        Err(Error::DuplicateMessageId { .. }) => {}
+        other => panic!("expected DuplicateMessageId for the batch, got {other:?}"),
+    }
+    tx.commit().await.expect("commit");
+    let state: String = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT state FROM {}.{table} WHERE id = 42",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("state")
+        .get(0);
+    assert_eq!(
+        state, "paid",
+        "the app's write was rolled back by the transaction the duplicate aborted"
+    );
+    assert_eq!(
+        db.pending().await,
+        2,
+        "the first message and the batch's new one"
+    );
+    db.cleanup().await;
+}
+
 #[tokio::test]
 async fn concurrent_migrations_are_safe() {
     let schema = outbox_tests::unique("mig");
