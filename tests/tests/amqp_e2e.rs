@@ -644,7 +644,15 @@ async fn notify_switch_and_polling_fallback() {
         ..fast_settings()
     };
     let notified = InProcessRelay::amqp(&db, hour);
-    // The relay's start-up catch-up claim runs first; wait until it has idled.
+    // The relay's start-up catch-up claim runs first, once it is ready;
+    // wait until it has idled.
+    assert!(
+        eventually(PATIENCE, || async {
+            notified.stats.not_ready_reason().is_none()
+        })
+        .await,
+        "the relay never became ready"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     outbox.enqueue(&db.client, &m(2)).await.expect("enqueue");
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -480,7 +480,32 @@ async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
         }
     };
 
+    // Until the command waits on the claim's session: with the rows left
+    // unlocked it would not wait at all (a sleep here let a slow start run
+    // the command after the commit, and pass on the old code).
+    let waits_on = |pid: i32| {
+        let client = &db.client;
+        async move {
+            eventually(PATIENCE, || async {
+                client
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                        &[&pid],
+                    )
+                    .await
+                    .expect("blocked sessions")
+                    .get::<_, i64>(0)
+                    > 0
+            })
+            .await
+        }
+    };
     let holding = claim("60 seconds").await;
+    let pid: i32 = holding
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
     let discard = tokio::spawn({
         let schema = db.schema.to_string();
         async move {
@@ -492,9 +517,10 @@ async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
             .await
         }
     });
-    // Long enough for the discard to have run to its end, had it not
-    // waited for the claim.
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        waits_on(pid).await,
+        "the discard never waited for the claim setting the key's rows aside"
+    );
     holding
         .batch_execute("COMMIT")
         .await
@@ -517,11 +543,19 @@ async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
         .await
         .expect("fresh again");
     let holding = claim("60 seconds").await;
+    let pid: i32 = holding
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
     let resume = tokio::spawn({
         let schema = db.schema.to_string();
         async move { outbox_tests::process::cli(RELAY_BIN, &schema, &["resume", "orders"]).await }
     });
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        waits_on(pid).await,
+        "resume never waited for the claim setting the rows aside"
+    );
     holding
         .batch_execute("COMMIT")
         .await
