@@ -222,6 +222,13 @@ impl MessageBuilder {
         if self.message.event_type.as_deref() == Some("") {
             return Err(Error::EmptyKey { what: "event type" });
         }
+        // An empty key is a key: every message written with it, for every
+        // destination, would share one lane (leave the key unset for none).
+        if self.message.key.as_deref() == Some("") {
+            return Err(Error::EmptyKey {
+                what: "ordering key",
+            });
+        }
         let m = &self.message;
         let text = [
             ("destination", Some(&m.destination)),

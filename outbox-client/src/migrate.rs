@@ -96,6 +96,10 @@ const MIGRATIONS: &[(&str, &str)] = &[
         "V22__enqueue_null_limit_is_the_default",
         include_str!("../../migrations/V22__enqueue_null_limit_is_the_default.sql"),
     ),
+    (
+        "V23__enqueue_refuses_an_empty_key",
+        include_str!("../../migrations/V23__enqueue_refuses_an_empty_key.sql"),
+    ),
 ];
 
 /// Creates `schema` if needed and applies every pending migration to it

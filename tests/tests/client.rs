@@ -959,6 +959,73 @@ async fn the_sql_enqueue_reads_a_null_limit_as_the_default() {
     db.cleanup().await;
 }
 
+/// An empty ordering key is a key: every message written with `''` (a
+/// wrapper passing its language's empty string for "no key"), for every
+/// destination, fell into one lane, one partition and one replica, and one
+/// dead letter among them parked them all. Both writers refuse it now, as
+/// they refuse an empty event type ("pass NULL for none"). And the SQL
+/// writer's reserved-header check lowers names in the "C" collation: in a
+/// Turkish database `lower('MESSAGE-ID')` is `message-ıd`, which passed.
+#[tokio::test]
+async fn an_empty_ordering_key_is_refused_by_both_writers() {
+    let db = TestDb::new().await;
+    assert!(
+        matches!(
+            Message::builder("d").key("").payload("x").build(),
+            Err(Error::EmptyKey {
+                what: "ordering key"
+            })
+        ),
+        "the builder took an empty ordering key"
+    );
+    let err = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT {}.enqueue('d', 'x'::bytea, key => '')::text",
+                db.schema.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect_err("enqueue() took an empty ordering key");
+    let db_err = err.as_db_error().expect("a database error");
+    assert_eq!(db_err.code().code(), "22023", "{db_err}");
+    assert!(
+        db_err.message().contains("ordering key is empty"),
+        "{db_err}"
+    );
+    assert_eq!(db.pending().await, 0);
+
+    // A database whose default collation is Turkish (ICU, tr-TR).
+    let name = outbox_tests::unique("turkish");
+    db.client
+        .batch_execute(&format!(
+            "CREATE DATABASE {name} LOCALE_PROVIDER icu ICU_LOCALE 'tr-TR' \
+             LOCALE 'C.UTF-8' TEMPLATE template0"
+        ))
+        .await
+        .expect("a Turkish database");
+    let mut config = db.config.clone();
+    config.dbname(&name);
+    let mut turkish = outbox_tests::db::connect(&config).await;
+    outbox_client::migrate(&mut turkish, "outbox")
+        .await
+        .expect("migrate");
+    let taken = turkish
+        .query_one(
+            "SELECT outbox.enqueue('d', 'x'::bytea, headers => '{\"MESSAGE-ID\": \"x\"}')::text",
+            &[],
+        )
+        .await;
+    drop(turkish);
+    outbox_tests::db::drop_database(&db, &name).await;
+    let err = taken.expect_err("a reserved header taken in a Turkish database");
+    let db_err = err.as_db_error().expect("a database error");
+    assert!(db_err.message().contains("reserved"), "{db_err}");
+    db.cleanup().await;
+}
+
 /// A schema name of 55 to 63 characters is valid, but its NOTIFY channel,
 /// `<schema>.messages`, passes Postgres' 63-byte limit: once `notify on`,
 /// every insert into the outbox failed with "channel name too long", and
