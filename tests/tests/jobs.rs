@@ -100,15 +100,15 @@ async fn cron_job_started_by_three_processes_runs_once() {
     db.cleanup().await;
 }
 
+/// `pg_locks` (as `l`) of the job lock named `$1`, held.
+const JOB_LOCKS: &str = "FROM pg_locks l, (SELECT hashtextextended($1, 0) AS k) h \
+     WHERE l.locktype = 'advisory' AND l.granted \
+       AND l.classid::bigint = ((h.k >> 32) & 4294967295) \
+       AND l.objid::bigint = (h.k & 4294967295)";
+
 async fn advisory_locks_held(db: &TestDb, name: &str) -> i64 {
     db.client
-        .query_one(
-            "SELECT count(*) FROM pg_locks l, (SELECT hashtextextended($1, 0) AS k) h \
-             WHERE l.locktype = 'advisory' AND l.granted \
-               AND l.classid::bigint = ((h.k >> 32) & 4294967295) \
-               AND l.objid::bigint = (h.k & 4294967295)",
-            &[&name],
-        )
+        .query_one(&format!("SELECT count(*) {JOB_LOCKS}"), &[&name])
         .await
         .expect("pg_locks")
         .get(0)
@@ -251,11 +251,7 @@ async fn a_job_whose_lock_session_ended_mid_run_still_returns_its_output() {
     let ended: i64 = db
         .client
         .query_one(
-            "SELECT count(pg_terminate_backend(l.pid)) \
-             FROM pg_locks l, (SELECT hashtextextended($1, 0) AS k) h \
-             WHERE l.locktype = 'advisory' AND l.granted \
-               AND l.classid::bigint = ((h.k >> 32) & 4294967295) \
-               AND l.objid::bigint = (h.k & 4294967295)",
+            &format!("SELECT count(pg_terminate_backend(l.pid)) {JOB_LOCKS}"),
             &[&job],
         )
         .await

@@ -353,14 +353,8 @@ async fn parked_keys_name_the_first_dead_letter_and_only_under_park() {
     db.cleanup().await;
 }
 
-/// A later message of a parked key that had failed before (attempts > 0)
-/// and was set aside a recheck later: `discard` (like `retry`) brought back
-/// only rows that had never failed, so this one, and its key behind it,
-/// waited out the recheck (`--retry-max`, a minute by default).
-#[tokio::test]
-async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_before() {
-    let db = TestDb::new().await;
-    let dead = "01900000-0000-7000-8000-000000000001";
+/// A dead letter `id` of key `k` to `orders`, as the relay leaves one.
+async fn dead_letter_of_k(db: &TestDb, id: &str) {
     db.client
         .execute(
             &format!(
@@ -369,10 +363,21 @@ async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_befo
                  VALUES (-1, $1::text::uuid, 'orders', 'k', '', '{{}}', 'x', now(), 3, 'unroutable')",
                 db.schema.quoted()
             ),
-            &[&dead],
+            &[&id],
         )
         .await
         .expect("dead letter");
+}
+
+/// A later message of a parked key that had failed before (attempts > 0)
+/// and was set aside a recheck later: `discard` (like `retry`) brought back
+/// only rows that had never failed, so this one, and its key behind it,
+/// waited out the recheck (`--retry-max`, a minute by default).
+#[tokio::test]
+async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_before() {
+    let db = TestDb::new().await;
+    let dead = "01900000-0000-7000-8000-000000000001";
+    dead_letter_of_k(&db, dead).await;
     let later = db
         .outbox()
         .enqueue(&db.client, &msg("orders", "k", 1))
@@ -424,18 +429,7 @@ async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_befo
 async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
     let db = TestDb::new().await;
     let dead = "01900000-0000-7000-8000-000000000002";
-    db.client
-        .execute(
-            &format!(
-                "INSERT INTO {}.dead_letters (seq, message_id, destination, ordering_key, \
-                 routing_key, headers, payload, created_at, attempts, last_error) \
-                 VALUES (-1, $1::text::uuid, 'orders', 'k', '', '{{}}', 'x', now(), 3, 'unroutable')",
-                db.schema.quoted()
-            ),
-            &[&dead],
-        )
-        .await
-        .expect("dead letter");
+    dead_letter_of_k(&db, dead).await;
     for i in 0..5 {
         db.outbox()
             .enqueue(&db.client, &msg("orders", "k", i))
