@@ -55,10 +55,11 @@ pub(super) fn plan_waves<P: Publisher>(publisher: &P, batch: &[Envelope]) -> Vec
 ///
 /// Only the first wave's failure fails the batch. What earlier waves had
 /// confirmed stands when a later one fails (its messages are unanswered,
-/// the rest unsent), and no wave starts once `deadline` has passed: a key
-/// that changes lanes at every message, on a broker slow to confirm, sent
-/// waves until one was cut at the deadline, and the batch failed whole,
-/// its confirmed waves sent again at every claim, the key never drained.
+/// the rest unsent), and no wave starts with less time left before
+/// `deadline` than the last one took: a key that changes lanes at every
+/// message, on a broker slow to confirm, sent waves until one was cut at
+/// the deadline, and the batch failed whole, its confirmed waves sent
+/// again at every claim, the key never drained.
 pub(super) async fn publish_in_waves<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
