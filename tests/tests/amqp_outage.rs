@@ -567,6 +567,26 @@ async fn a_second_signal_stops_at_once_and_loses_nothing() {
     db.cleanup().await;
 }
 
+/// Enqueues one message and waits until the relay has published and
+/// settled it.
+async fn publishes_one(db: &TestDb, rabbit: &Fixture) {
+    let message = outbox_client::Message::builder(rabbit.exchange.as_str())
+        .json(&0)
+        .build()
+        .expect("valid");
+    db.outbox()
+        .enqueue(&db.client, &message)
+        .await
+        .expect("enqueue");
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            rabbit.count() >= 1 && db.pending().await == 0
+        })
+        .await,
+        "the relay never published"
+    );
+}
+
 /// SIGTERM while Postgres is stranded: a balancer whose backend vanished
 /// (HAProxy in front of a failing-over cluster) accepts connections and
 /// answers nothing. The relay's waits on Postgres are bounded by the hold
@@ -621,21 +641,7 @@ async fn sigterm_while_postgres_is_stranded_stops_within_the_grace() {
     // Running: it publishes, then Postgres goes silent under it.
     let link = Proxy::start("127.0.0.1:5432").await;
     let mut relay = RelayProcess::start(RELAY_BIN, &env(&link));
-    let first = outbox_client::Message::builder(rabbit.exchange.as_str())
-        .json(&0)
-        .build()
-        .expect("valid");
-    db.outbox()
-        .enqueue(&db.client, &first)
-        .await
-        .expect("enqueue");
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            rabbit.count() >= 1 && db.pending().await == 0
-        })
-        .await,
-        "the relay never published"
-    );
+    publishes_one(&db, &rabbit).await;
     link.set(Mode::Strand);
     // Past the sessions' next polls and reconnects.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -675,21 +681,7 @@ async fn sigterm_with_an_http_request_half_sent_still_exits() {
             ("OUTBOX_SHUTDOWN_GRACE", "5s".to_string()),
         ],
     );
-    let message = outbox_client::Message::builder(rabbit.exchange.as_str())
-        .json(&0)
-        .build()
-        .expect("valid");
-    db.outbox()
-        .enqueue(&db.client, &message)
-        .await
-        .expect("enqueue");
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            rabbit.count() >= 1 && db.pending().await == 0
-        })
-        .await,
-        "the relay never published"
-    );
+    publishes_one(&db, &rabbit).await;
     let mut stalled = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect to the endpoints");

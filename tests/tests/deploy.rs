@@ -51,21 +51,7 @@ fn tokens(text: &str, prefix: &str) -> BTreeSet<String> {
 }
 
 fn cli_env_vars() -> BTreeSet<String> {
-    fn walk(cmd: &clap::Command, out: &mut BTreeSet<String>) {
-        for a in cmd.get_arguments() {
-            if let Some(e) = a.get_env() {
-                out.insert(e.to_string_lossy().into_owned());
-            }
-        }
-        for s in cmd.get_subcommands() {
-            walk(s, out);
-        }
-    }
-    let mut out = BTreeSet::new();
-    walk(&outbox_relay::config::Cli::command(), &mut out);
-    // Read by the binary itself rather than a flag: the log filter.
-    out.insert("OUTBOX_LOG".to_owned());
-    out
+    outbox_relay::cli::env_vars()
 }
 
 #[test]

@@ -53,12 +53,9 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// The `OUTBOX_*` variables among `names` that name no setting, each with
-/// the setting it is likely a misspelling of: one such variable
-/// (`OUTBOX_SHUTDOWN_GRACE_PERIOD`) was ignored without a trace, and the
-/// default applied. `OUTBOX_LOG` and the `OUTBOX_TEST_` hooks are read
-/// directly.
-pub fn unknown_env(names: impl Iterator<Item = String>) -> Vec<(String, Option<String>)> {
+/// Every environment variable the relay reads as a setting: each flag's,
+/// and `OUTBOX_LOG`, the log filter, which the binary reads itself.
+pub fn env_vars() -> std::collections::BTreeSet<String> {
     fn walk(cmd: &clap::Command, out: &mut std::collections::BTreeSet<String>) {
         for a in cmd.get_arguments() {
             if let Some(e) = a.get_env() {
@@ -72,6 +69,16 @@ pub fn unknown_env(names: impl Iterator<Item = String>) -> Vec<(String, Option<S
     let mut known = std::collections::BTreeSet::new();
     walk(&<Cli as clap::CommandFactory>::command(), &mut known);
     known.insert("OUTBOX_LOG".to_owned());
+    known
+}
+
+/// The `OUTBOX_*` variables among `names` that name no setting, each with
+/// the setting it is likely a misspelling of: one such variable
+/// (`OUTBOX_SHUTDOWN_GRACE_PERIOD`) was ignored without a trace, and the
+/// default applied. `OUTBOX_LOG` and the `OUTBOX_TEST_` hooks are read
+/// directly.
+pub fn unknown_env(names: impl Iterator<Item = String>) -> Vec<(String, Option<String>)> {
+    let known = env_vars();
     let mut unknown: Vec<(String, Option<String>)> = names
         .filter(|n| n.starts_with("OUTBOX_") && !n.starts_with("OUTBOX_TEST_"))
         .filter(|n| !known.contains(n))

@@ -417,6 +417,66 @@ async fn discarding_a_dead_letter_brings_back_its_keys_rows_that_had_failed_befo
     db.cleanup().await;
 }
 
+/// Runs the relay's command `args` while a claim holds key `k`'s fresh rows,
+/// their hold for a recheck a minute away written and not committed (as a
+/// claim does it, in one transaction); checks that the command waits for
+/// the claim, then commits the claim and returns what the command said.
+async fn while_a_claim_sets_k_aside(db: &TestDb, args: &[&str]) -> (Option<i32>, String, String) {
+    let table = db.table();
+    let (claim, connection) =
+        tokio_postgres::connect(&outbox_tests::pg_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+    tokio::spawn(connection);
+    claim
+        .batch_execute(&format!(
+            "BEGIN; \
+             SELECT seq FROM {table} WHERE ordering_key = 'k' \
+               AND next_attempt_at = '-infinity' FOR UPDATE SKIP LOCKED; \
+             UPDATE {table} SET next_attempt_at = now() + interval '60 seconds' \
+               WHERE ordering_key = 'k'"
+        ))
+        .await
+        .expect("the claim's hold");
+    let pid: i32 = claim
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    let command = tokio::spawn({
+        let schema = db.schema.to_string();
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            outbox_tests::process::cli(RELAY_BIN, &schema, &args).await
+        }
+    });
+    // Until the command waits on the claim's session: with the rows left
+    // unlocked it would not wait at all (a sleep here let a slow start run
+    // the command after the commit, and pass on the old code).
+    let waits = eventually(PATIENCE, || async {
+        db.client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&pid],
+            )
+            .await
+            .expect("blocked sessions")
+            .get::<_, i64>(0)
+            > 0
+    })
+    .await;
+    assert!(
+        waits,
+        "{args:?} never waited for the claim setting the key's rows aside"
+    );
+    claim
+        .batch_execute("COMMIT")
+        .await
+        .expect("the claim commits");
+    command.await.expect("the command")
+}
+
 /// `discard` while a claim is setting the key's rows aside: the claim has
 /// locked the key's fresh rows, found the dead letter and written their
 /// hold, and not yet committed. The discard chose the rows to bring back by
@@ -450,76 +510,8 @@ async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
             .expect("rows")
             .get::<_, bool>(0)
     };
-    // As a claim does it, in one transaction: lock the key's fresh rows,
-    // then set them aside behind the dead letter (here, or behind a pause).
-    let claim = |set_aside: &'static str| {
-        let table = db.table();
-        async move {
-            let (client, connection) =
-                tokio_postgres::connect(&outbox_tests::pg_url(), tokio_postgres::NoTls)
-                    .await
-                    .expect("connect");
-            tokio::spawn(connection);
-            client
-                .batch_execute(&format!(
-                    "BEGIN; \
-                     SELECT seq FROM {table} WHERE ordering_key = 'k' \
-                       AND next_attempt_at = '-infinity' FOR UPDATE SKIP LOCKED; \
-                     UPDATE {table} SET next_attempt_at = now() + interval '{set_aside}' \
-                       WHERE ordering_key = 'k'"
-                ))
-                .await
-                .expect("the claim's hold");
-            client
-        }
-    };
-
-    // Until the command waits on the claim's session: with the rows left
-    // unlocked it would not wait at all (a sleep here let a slow start run
-    // the command after the commit, and pass on the old code).
-    let waits_on = |pid: i32| {
-        let client = &db.client;
-        async move {
-            eventually(PATIENCE, || async {
-                client
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                        &[&pid],
-                    )
-                    .await
-                    .expect("blocked sessions")
-                    .get::<_, i64>(0)
-                    > 0
-            })
-            .await
-        }
-    };
-    let holding = claim("60 seconds").await;
-    let pid: i32 = holding
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
-    let discard = tokio::spawn({
-        let schema = db.schema.to_string();
-        async move {
-            outbox_tests::process::cli(
-                RELAY_BIN,
-                &schema,
-                &["dead-letters", "discard", "--id", dead, "--yes"],
-            )
-            .await
-        }
-    });
-    assert!(
-        waits_on(pid).await,
-        "the discard never waited for the claim setting the key's rows aside"
-    );
-    holding
-        .batch_execute("COMMIT")
-        .await
-        .expect("the claim commits");
-    let (code, out, err) = discard.await.expect("discard");
+    let (code, out, err) =
+        while_a_claim_sets_k_aside(&db, &["dead-letters", "discard", "--id", dead, "--yes"]).await;
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(
         all_due().await,
@@ -536,25 +528,7 @@ async fn discard_and_resume_wait_for_a_claim_setting_the_keys_rows_aside() {
         )
         .await
         .expect("fresh again");
-    let holding = claim("60 seconds").await;
-    let pid: i32 = holding
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .expect("pid")
-        .get(0);
-    let resume = tokio::spawn({
-        let schema = db.schema.to_string();
-        async move { outbox_tests::process::cli(RELAY_BIN, &schema, &["resume", "orders"]).await }
-    });
-    assert!(
-        waits_on(pid).await,
-        "resume never waited for the claim setting the rows aside"
-    );
-    holding
-        .batch_execute("COMMIT")
-        .await
-        .expect("the claim commits");
-    let (code, out, err) = resume.await.expect("resume");
+    let (code, out, err) = while_a_claim_sets_k_aside(&db, &["resume", "orders"]).await;
     assert_eq!(code, Some(0), "{out}{err}");
     assert!(
         all_due().await,

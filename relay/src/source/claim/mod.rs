@@ -413,11 +413,8 @@ impl Queries {
                 },
             );
         }
-        if floor.scan > 0
-            && floor.file.is_some_and(|f| {
-                paused.try_get::<_, Option<i64>>("seq_file").ok().flatten() != Some(f)
-            })
-        {
+        let seq_file: Option<i64> = paused.try_get("seq_file")?;
+        if floor.scan > 0 && floor.file.is_some_and(|f| seq_file != Some(f)) {
             return Ok(Claimed {
                 stale_floor: true,
                 ..Claimed::default()
